@@ -1,0 +1,120 @@
+"""The one adapter between harvest and Celery: configuration, queues, and publishing.
+
+harvest's library code sends messages only through :class:`Broker`; the Celery app in
+``workers/`` is built from :func:`celery_config`. Messages carry job ids and lease tokens,
+never payloads (payloads stay in Postgres).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from celery import Celery
+from kombu import Exchange, Queue  # type: ignore[attr-defined]
+
+from harvest.jobs import Claimed
+from harvest.redact import redact_url
+from harvest.settings import Settings
+
+log = logging.getLogger(__name__)
+
+SCHEDULE_QUEUE = "schedule"
+EXECUTION_QUEUE = "execution"
+DISPATCH_TASK = "harvest.dispatch"
+RESCUE_TASK = "harvest.rescue"
+EXECUTE_TASK = "harvest.execute"
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    """Celery settings harvest relies on (see the README's "Guarantees")."""
+    transport_options: dict[str, Any] = {"visibility_timeout": settings.visibility_timeout}
+    return {
+        "broker_url": settings.effective_broker_url,
+        "broker_transport_options": transport_options,
+        "broker_connection_retry_on_startup": True,
+        "broker_pool_limit": 10,  # Celery's default; Flower starves for events with fewer
+        # JSON only: a pickle message is refused before any code sees it.
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "event_serializer": "json",
+        # Results live in Postgres; the Redis result backend costs 15-30 % for nothing.
+        "task_ignore_result": True,
+        "result_backend": None,
+        # A message is acked after its task returns; a killed child's message is requeued.
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "task_default_queue": EXECUTION_QUEUE,
+        "task_queues": (
+            Queue(SCHEDULE_QUEUE, Exchange(SCHEDULE_QUEUE), routing_key=SCHEDULE_QUEUE),  # type: ignore[no-untyped-call]
+            Queue(EXECUTION_QUEUE, Exchange(EXECUTION_QUEUE), routing_key=EXECUTION_QUEUE),  # type: ignore[no-untyped-call]
+        ),
+        "task_routes": {
+            DISPATCH_TASK: {"queue": SCHEDULE_QUEUE},
+            RESCUE_TASK: {"queue": SCHEDULE_QUEUE},
+            "harvest.schedules": {"queue": SCHEDULE_QUEUE},
+            "harvest.maintenance": {"queue": SCHEDULE_QUEUE},
+            EXECUTE_TASK: {"queue": EXECUTION_QUEUE},
+        },
+        "task_create_missing_queues": True,
+        "worker_hijack_root_logger": False,
+        "worker_send_task_events": True,
+        "task_send_sent_event": False,
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
+        "broker_channel_error_retry": True,
+    }
+
+
+def make_celery(settings: Settings, name: str = "harvest") -> Celery:
+    app = Celery(name)
+    app.conf.update(celery_config(settings))
+    return app
+
+
+def chunk(claimed: Sequence[Claimed], per_message: int) -> list[list[Claimed]]:
+    """Group claimed jobs of one queue into messages of at most ``per_message`` jobs."""
+    by_queue: dict[str, list[Claimed]] = {}
+    for job in claimed:
+        by_queue.setdefault(job.queue, []).append(job)
+    return [
+        jobs[i : i + per_message]
+        for jobs in by_queue.values()
+        for i in range(0, len(jobs), per_message)
+    ]
+
+
+def jobs_per_message(backlog: int, maximum: int, consumers: int) -> int:
+    """One job a message while the backlog is shallow (lowest latency); several when it is deep
+    (amortise the per-message cost), always leaving each consumer work to take."""
+    if backlog <= 2 * consumers:
+        return 1
+    return max(1, min(maximum, backlog // (4 * consumers)))
+
+
+class Broker:
+    """Publishes harvest's messages. Publishing failures propagate: the dispatcher has already
+    committed its claim, and rescue re-queues anything that was claimed but never published."""
+
+    def __init__(self, settings: Settings, celery: Celery | None = None) -> None:
+        self.settings = settings
+        self.celery = celery or make_celery(settings)
+
+    def publish_jobs(self, messages: Sequence[Sequence[Claimed]]) -> None:
+        with self.celery.producer_or_acquire() as producer:
+            for jobs in messages:
+                body = [[job.id, str(job.token)] for job in jobs]
+                self.celery.send_task(
+                    EXECUTE_TASK, args=[body], queue=jobs[0].queue, producer=producer
+                )
+
+    def nudge_dispatch(self) -> None:
+        self.celery.send_task(DISPATCH_TASK, queue=SCHEDULE_QUEUE)
+
+    def describe(self) -> str:
+        return redact_url(self.settings.effective_broker_url)
+
+    def close(self) -> None:
+        self.celery.close()

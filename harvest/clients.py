@@ -1,0 +1,126 @@
+"""Worker-side resources: a pool of reusable clients per API key.
+
+An HTTP client holds connections (TLS handshakes are the slow part of calling an API), so a
+worker keeps a few per key and hands them to the jobs that lease that key. Bounded per key,
+checked before reuse, closed after sitting idle.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+C = TypeVar("C")
+
+
+def _close(client: object) -> None:
+    close = getattr(client, "close", None)
+    if callable(close):
+        close()
+
+
+@dataclass
+class _Slot(Generic[C]):
+    idle: list[tuple[float, C]] = field(default_factory=list)  # (returned at, client)
+    out: int = 0  # borrowed now
+
+
+class ClientPool(Generic[C]):
+    """At most ``max_per_key`` clients per key (borrowed + idle); idle ones older than
+    ``idle_timeout`` are closed; ``healthy(client)`` is asked before a client is reused."""
+
+    def __init__(
+        self,
+        factory: Callable[[str], C],
+        *,
+        max_per_key: int = 4,
+        idle_timeout: float = 60.0,
+        healthy: Callable[[C], bool] = lambda client: True,
+        close: Callable[[C], None] = _close,
+    ) -> None:
+        if max_per_key < 1:
+            raise ValueError("max_per_key must be at least 1")
+        self._factory, self._healthy, self._close = factory, healthy, close
+        self.max_per_key, self.idle_timeout = max_per_key, idle_timeout
+        self._slots: dict[int, _Slot[C]] = {}
+        self._cond = threading.Condition()
+
+    @contextmanager
+    def borrow(self, key_id: int, secret: str, *, timeout: float = 30.0) -> Iterator[C]:
+        """A client for ``key_id`` for the ``with`` block; waits up to ``timeout`` seconds when
+        all of the key's clients are out (TimeoutError then)."""
+        client = self._take(key_id, secret, timeout)
+        broken = False
+        try:
+            yield client
+        except BaseException:
+            broken = True  # a client that raised mid-use is not trusted again
+            raise
+        finally:
+            self._give_back(key_id, client, broken)
+
+    def _take(self, key_id: int, secret: str, timeout: float) -> C:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            self._prune_locked()
+            slot = self._slots.setdefault(key_id, _Slot())
+            while True:
+                while slot.idle:
+                    _, client = slot.idle.pop()
+                    if self._healthy(client):
+                        slot.out += 1
+                        return client
+                    self._close(client)
+                if slot.out < self.max_per_key:
+                    slot.out += 1
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"all {self.max_per_key} clients of key {key_id} are in use")
+                self._cond.wait(left)
+        try:
+            return self._factory(secret)
+        except BaseException:
+            with self._cond:
+                slot.out -= 1
+                self._cond.notify()
+            raise
+
+    def _give_back(self, key_id: int, client: C, broken: bool) -> None:
+        with self._cond:
+            slot = self._slots[key_id]
+            slot.out -= 1
+            if broken:
+                self._close(client)
+            else:
+                slot.idle.append((time.monotonic(), client))
+            self._cond.notify()
+
+    def _prune_locked(self) -> None:
+        cutoff = time.monotonic() - self.idle_timeout
+        for slot in self._slots.values():
+            stale = [c for at, c in slot.idle if at < cutoff]
+            slot.idle = [(at, c) for at, c in slot.idle if at >= cutoff]
+            for client in stale:
+                self._close(client)
+
+    def prune(self) -> None:
+        """Close clients idle for longer than ``idle_timeout``."""
+        with self._cond:
+            self._prune_locked()
+
+    def sizes(self) -> dict[int, tuple[int, int]]:
+        """{key id: (borrowed, idle)}."""
+        with self._cond:
+            return {k: (s.out, len(s.idle)) for k, s in self._slots.items()}
+
+    def close(self) -> None:
+        with self._cond:
+            for slot in self._slots.values():
+                for _, client in slot.idle:
+                    self._close(client)
+                slot.idle.clear()

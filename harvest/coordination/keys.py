@@ -1,0 +1,140 @@
+"""Every Redis key name harvest uses for coordination is built here (nowhere else).
+
+Names carry a ``{hash tag}`` so that all keys of one primitive (one pool, one lock, one
+semaphore, one limiter) live in the same Redis Cluster slot and one script may touch them all.
+
+Two scripts touch per-API-key structures whose names depend on data (``lease.lua``,
+``pool_sync.lua`` and friends): they receive :func:`pool_prefix` and append the suffixes below,
+so :func:`pool_key_config`, :func:`pool_key_leases` and :func:`pool_key_rate` must stay in step
+with ``KEY_CONFIG``, ``KEY_LEASES`` and ``KEY_RATE`` (the Lua files use the same literals).
+"""
+
+from __future__ import annotations
+
+import re
+
+PREFIX = "harvest:"
+
+KEY_CONFIG = "key:"
+KEY_LEASES = "leases:"
+KEY_RATE = "rate:"
+
+_NAME = re.compile(r"^[A-Za-z0-9_.:/@=+-]{1,200}$")
+
+
+def check_name(kind: str, name: str) -> str:
+    """Refuse a name that could break key layout (braces, spaces, empty, very long)."""
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(
+            f"invalid {kind} name {name!r}: use 1-200 characters from letters, digits and _.:/@=+-"
+        )
+    return name
+
+
+# --- rate limiter ---------------------------------------------------------------------------
+
+
+def rate_window(name: str) -> str:
+    """ZSET of admitted calls (member unique per call, score = Redis time in microseconds)."""
+    return f"{PREFIX}rate:{{{check_name('rate limit', name)}}}"
+
+
+# --- semaphore ------------------------------------------------------------------------------
+
+
+def _sem(name: str, part: str) -> str:
+    return f"{PREFIX}sem:{{{check_name('semaphore', name)}}}:{part}"
+
+
+def semaphore_owners(name: str) -> str:
+    """ZSET token -> ticket (the INCR counter value when the permit was taken)."""
+    return _sem(name, "owners")
+
+
+def semaphore_timeouts(name: str) -> str:
+    """ZSET token -> expiry (Redis time, microseconds) of each held permit."""
+    return _sem(name, "timeouts")
+
+
+def semaphore_counter(name: str) -> str:
+    """STRING counter: tickets for holders and waiters (fair ordering, fencing)."""
+    return _sem(name, "counter")
+
+
+def semaphore_waiters(name: str) -> str:
+    """ZSET token -> ticket of blocked acquirers, served first-come first-served."""
+    return _sem(name, "waiters")
+
+
+def semaphore_waiter_timeouts(name: str) -> str:
+    """ZSET token -> expiry of each waiter's place in line (a dead waiter loses its place)."""
+    return _sem(name, "waiter_timeouts")
+
+
+# --- lock and leader election ---------------------------------------------------------------
+
+
+def lock(name: str) -> str:
+    """STRING holding the owner's token, with a PX expiry."""
+    return f"{PREFIX}lock:{{{check_name('lock', name)}}}"
+
+
+def lock_fence(name: str) -> str:
+    """STRING counter, INCR on every acquisition: the fencing number of the current owner."""
+    return f"{PREFIX}lock:{{{check_name('lock', name)}}}:fence"
+
+
+def leader_lock_name(name: str) -> str:
+    """The lock name a leader election for ``name`` is built on."""
+    return f"leader:{check_name('leader election', name)}"
+
+
+# --- API-key pool ---------------------------------------------------------------------------
+
+
+def pool_prefix(pool: str) -> str:
+    """Common prefix of every key of one pool (scripts append the per-API-key suffixes)."""
+    return f"{PREFIX}pool:{{{check_name('pool', pool)}}}:"
+
+
+def pool_epoch(pool: str) -> str:
+    """STRING counter bumped by every sync; its absence means Redis lost (or never had) the pool."""
+    return pool_prefix(pool) + "epoch"
+
+
+def pool_members(pool: str) -> str:
+    """ZSET key_id -> key_id: the pool's keys in a stable order (round-robin walks it)."""
+    return pool_prefix(pool) + "keys"
+
+
+def pool_cursor(pool: str) -> str:
+    """STRING counter: rotating start point for round-robin tie breaking."""
+    return pool_prefix(pool) + "cursor"
+
+
+def pool_fence(pool: str) -> str:
+    """STRING counter, INCR on every lease: fencing numbers, increasing across the pool."""
+    return pool_prefix(pool) + "fence"
+
+
+def pool_key_config(pool: str, key_id: int) -> str:
+    """HASH of one key: max, rate_n, rate_us, status, cool_until (microseconds, 0 = none)."""
+    return f"{pool_prefix(pool)}{KEY_CONFIG}{int(key_id)}"
+
+
+def pool_key_leases(pool: str, key_id: int) -> str:
+    """ZSET token -> expiry (Redis time, microseconds) of one key's leases."""
+    return f"{pool_prefix(pool)}{KEY_LEASES}{int(key_id)}"
+
+
+def pool_key_rate(pool: str, key_id: int) -> str:
+    """ZSET fence -> grant time (microseconds): one key's sliding rate window."""
+    return f"{pool_prefix(pool)}{KEY_RATE}{int(key_id)}"
+
+
+# --- dispatch nudges ------------------------------------------------------------------------
+
+
+def nudge() -> str:
+    """``SET NX PX`` marker that coalesces dispatch nudges across all enqueuing processes."""
+    return f"{PREFIX}nudge"

@@ -1,0 +1,58 @@
+"""The Lua scripts, read once from ``harvest/coordination/lua`` and registered per client.
+
+``redis.Redis.register_script`` sends EVALSHA and, on NOSCRIPT (a restarted or flushed Redis),
+loads the script and retries: callers never see the difference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import cache
+from importlib import resources
+from typing import Any, cast
+
+from redis import Redis
+
+Arg = str | int | float
+Reply = list[Any]
+
+
+@cache
+def source(name: str) -> str:
+    """The text of ``lua/<name>.lua`` (read from the package once per process)."""
+    path = resources.files("harvest.coordination").joinpath("lua", f"{name}.lua")
+    return path.read_text(encoding="utf-8")
+
+
+class LuaScript:
+    """One registered script bound to one client; call it with keys and args."""
+
+    def __init__(self, client: Redis, name: str) -> None:
+        self.name = name
+        self._call = cast(Callable[..., Any], client.register_script(source(name)))
+
+    def __call__(self, keys: Sequence[str], args: Sequence[Arg] = ()) -> Any:
+        return self._call(keys=list(keys), args=list(args))
+
+    def array(self, keys: Sequence[str], args: Sequence[Arg] = ()) -> Reply:
+        """Run a script whose reply is an array."""
+        return cast(Reply, self(keys, args))
+
+    def integer(self, keys: Sequence[str], args: Sequence[Arg] = ()) -> int:
+        """Run a script whose reply is an integer."""
+        return int(self(keys, args))
+
+
+def text(value: bytes | str) -> str:
+    """A bulk reply as text, whatever the client's ``decode_responses``."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def micros(seconds: float) -> int:
+    """Seconds (as given by callers) to whole microseconds (as kept in Redis)."""
+    return round(seconds * 1_000_000)
+
+
+def seconds(micros: int | float) -> float:
+    """Microseconds of the Redis clock back to seconds since the epoch (or a duration)."""
+    return float(micros) / 1_000_000

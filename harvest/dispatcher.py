@@ -1,0 +1,142 @@
+"""The schedule side: claim due jobs and publish them (dispatch); take back expired leases
+(rescue). Both run as tasks on the ``schedule`` queue, driven by beat and by nudges; so do
+recurring schedules (:mod:`harvest.schedules`) and retention (:mod:`harvest.maintenance`)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from sqlalchemy import Connection
+
+from harvest import keystore, store
+from harvest.broker import chunk, jobs_per_message
+from harvest.coordination import keys as rkeys
+from harvest.coordination.key_pool import KeyPool
+
+if TYPE_CHECKING:
+    from harvest.app import Harvest
+
+log = logging.getLogger(__name__)
+
+RESCUED = "rescued"
+LINGER_POLL = 0.02
+MAX_ROUNDS = 200  # bounds one dispatch call; beat or the next nudge continues
+MAX_SECONDS = 2.0
+
+
+@dataclass(frozen=True, slots=True)
+class DispatchReport:
+    claimed: int
+    messages: int
+    rounds: int
+
+
+def dispatch(app: Harvest) -> DispatchReport:
+    """Claim due jobs, commit, then publish them, until none are due or the in-flight window
+    is full. Claims go by priority, except an aging share (``settings.starvation_after``):
+    see :func:`harvest.store.claim_due`. Commit comes first: a crash between commit and
+    publish leaves rows dispatched with no message, and rescue re-queues them when their
+    dispatch lease expires."""
+    settings = app.settings
+    claimed_total = messages = rounds = 0
+    started = time.monotonic()
+    linger_until = 0.0
+    while rounds < MAX_ROUNDS and time.monotonic() - started < MAX_SECONDS:
+        rounds += 1
+        with app.engine.begin() as conn:
+            room = settings.inflight_window - store.inflight(conn)
+            limit = min(settings.claim_batch_size, room)
+            budgets = pool_budgets(app, conn) if limit > 0 else None
+            claimed = store.claim_due(
+                conn,
+                limit=limit,
+                ttl=settings.dispatch_ttl,
+                budgets=budgets,
+                starvation_after=settings.starvation_after or None,
+            )
+        if not claimed:
+            # While the nudge marker lives, enqueuers send no nudge (coalescing): keep looking
+            # every LINGER_POLL seconds until it expires, so their jobs wait milliseconds, not
+            # until the next beat tick.
+            linger_until = linger_until or _nudge_expires(app)
+            if time.monotonic() >= linger_until:
+                break
+            time.sleep(LINGER_POLL)
+            continue
+        linger_until = 0.0
+        per = jobs_per_message(
+            len(claimed), settings.max_jobs_per_message, settings.worker_concurrency
+        )
+        batches = chunk(claimed, per)
+        app.broker.publish_jobs(batches)
+        claimed_total += len(claimed)
+        messages += len(batches)
+    return DispatchReport(claimed_total, messages, rounds)
+
+
+def _nudge_expires(app: Harvest) -> float:
+    """When (monotonic) the current nudge marker expires; now when there is none."""
+    try:
+        ttl_ms = app.redis.pttl(rkeys.nudge())
+    except Exception:  # Redis down: no lingering, beat carries on
+        return time.monotonic()
+    return time.monotonic() + max(0, int(ttl_ms)) / 1000
+
+
+def pool_budgets(app: Harvest, conn: Connection) -> dict[str, int]:
+    """How many more jobs of each key pool to dispatch now: the leases its keys could grant
+    now, less the jobs of that pool already dispatched and waiting to start. A pool whose
+    state cannot be read gets a budget of 0 this round (its jobs wait; nothing over-admits)."""
+    pools = sorted({spec.pool for spec in app.jobs.values() if spec.pool})
+    if not pools:
+        return {}
+    waiting = store.dispatched_by_pool(conn, pools)
+    budgets = {}
+    for pool in pools:
+        try:
+            keystore.ensure_pool_loaded(app.engine, app.redis, pool)
+            capacity = KeyPool(app.redis, pool).capacity()
+        except Exception as exc:
+            log.warning(
+                "key pool %r capacity unknown (%s); dispatching none of its jobs",
+                pool,
+                type(exc).__name__,
+            )
+            capacity = 0
+        budgets[pool] = max(0, capacity - waiting.get(pool, 0))
+    return budgets
+
+
+@dataclass(frozen=True, slots=True)
+class RescueReport:
+    requeued: int
+    failed: int
+    cancelled: int
+
+
+def rescue(app: Harvest, *, batch: int = 500) -> RescueReport:
+    """Return jobs whose lease expired to pending (or failed, when no attempts remain)."""
+    requeued = failed = cancelled = 0
+    for _ in range(MAX_ROUNDS):
+        with app.engine.begin() as conn:
+            rescued = store.rescue_expired(conn, limit=batch)
+            n = len(rescued.requeued) + len(rescued.failed) + len(rescued.cancelled)
+            store.bump(conn, RESCUED, n)
+        requeued += len(rescued.requeued)
+        failed += len(rescued.failed)
+        cancelled += len(rescued.cancelled)
+        if n < batch:
+            break
+    if requeued or failed or cancelled:
+        log.warning(
+            "rescued expired leases: %d re-queued, %d failed, %d cancelled",
+            requeued,
+            failed,
+            cancelled,
+        )
+    if requeued:
+        app.nudge()
+    return RescueReport(requeued, failed, cancelled)

@@ -1,0 +1,77 @@
+"""Immutable values that cross boundaries: jobs as callers see them, never ORM objects."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from harvest.models import JobStatus
+
+
+@dataclass(frozen=True, slots=True)
+class JobRef:
+    """What enqueue returns: the job's id, and whether this call created it (False when an
+    idempotency key matched an existing job)."""
+
+    id: int
+    name: str
+    created: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    id: int
+    name: str
+    queue: str
+    payload: dict[str, Any]
+    status: JobStatus
+    priority: int
+    run_at: datetime
+    attempts: int
+    max_attempts: int
+    idempotency_key: str | None
+    result: Any
+    last_error: str | None
+    last_traceback: str | None
+    cancel_requested: bool
+    created_at: datetime
+    dispatched_at: datetime | None
+    started_at: datetime | None
+    finished_at: datetime | None
+    lease_expires_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[Any, Any]) -> Job:
+        values = {name: row[name] for name in cls.__dataclass_fields__}
+        values["status"] = JobStatus(row["status"])
+        return cls(**values)
+
+    @property
+    def terminal(self) -> bool:
+        return self.status.terminal
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A job the dispatcher has claimed: what one execution message carries per job."""
+
+    id: int
+    token: uuid.UUID
+    queue: str
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """A job an execution worker has started: its lease is live and fenced by ``token``."""
+
+    id: int
+    token: uuid.UUID
+    name: str
+    payload: dict[str, Any]
+    attempt: int
+    max_attempts: int
+    timeout: float | None
+    cancel_requested: bool
