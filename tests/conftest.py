@@ -1,0 +1,131 @@
+"""Shared fixtures: a private Postgres database and a private Redis db number per test run.
+
+Tests share the machine's services with other runs, so each run creates its own database
+(``harvest_test_<random>``) migrated by Alembic, and claims a free Redis db number (1-15) with a
+``SET NX`` marker. Both are removed at the end of the run.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from collections.abc import Iterator
+
+import psycopg
+import pytest
+import redis
+from sqlalchemy import Engine, text
+
+from harvest.settings import Settings
+
+
+def _service_urls() -> tuple[str, str]:
+    """(Postgres admin URL, Redis URL without db number): HARVEST_TEST_* variables, else the
+    servers `harvest dev up` recorded (embedded ones on a machine with none), else localhost."""
+    admin = os.environ.get("HARVEST_TEST_ADMIN_URL")
+    redis_base = os.environ.get("HARVEST_TEST_REDIS_URL")
+    if not (admin and redis_base):
+        from harvest.dev import load_dev_urls
+
+        urls = load_dev_urls() or {}
+        if "database_url" in urls:
+            server = urls["database_url"].split("://", 1)[1].rsplit("/", 1)[0]
+            admin = admin or f"postgresql://{server}/postgres"
+        if "redis_url" in urls:
+            redis_base = redis_base or urls["redis_url"].rsplit("/", 1)[0]
+    return (
+        admin or "postgresql://postgres@127.0.0.1:5432/postgres",
+        redis_base or "redis://127.0.0.1:6379",
+    )
+
+
+ADMIN_URL, REDIS_BASE = _service_urls()
+OWNER_KEY = "harvest:test:owner"
+
+
+def _claim_redis_db() -> int:
+    for db in range(1, 16):
+        client = redis.Redis.from_url(f"{REDIS_BASE}/{db}")
+        try:
+            if client.set(OWNER_KEY, f"{os.getpid()}", nx=True, ex=4 * 3600):
+                client.flushdb()
+                client.set(OWNER_KEY, f"{os.getpid()}", ex=4 * 3600)
+                return db
+        finally:
+            client.close()
+    raise RuntimeError("no free Redis db number (1-15): another test run holds each of them")
+
+
+@pytest.fixture(scope="session")
+def database_name() -> Iterator[str]:
+    name = f"harvest_test_{secrets.token_hex(4)}"
+    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield name
+    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture(scope="session")
+def redis_db() -> Iterator[int]:
+    db = _claim_redis_db()
+    yield db
+    client = redis.Redis.from_url(f"{REDIS_BASE}/{db}")
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def settings(database_name: str, redis_db: int) -> Settings:
+    base = ADMIN_URL.rsplit("/", 1)[0].replace("postgresql://", "postgresql+psycopg://", 1)
+    return Settings(
+        database_url=f"{base}/{database_name}",
+        redis_url=f"{REDIS_BASE}/{redis_db}",
+        secret_key=None,
+    )
+
+
+@pytest.fixture(scope="session")
+def migrated(settings: Settings) -> Settings:
+    from harvest.migrate import upgrade
+
+    upgrade(settings, "head")
+    return settings
+
+
+@pytest.fixture(scope="session")
+def engine(migrated: Settings) -> Iterator[Engine]:
+    from harvest.db import make_engine
+
+    eng = make_engine(migrated, pool_size=4)
+    yield eng
+    eng.dispose()
+
+
+@pytest.fixture
+def clean_db(engine: Engine) -> Engine:
+    """Empty every harvest table before the test (the schema stays)."""
+    with engine.begin() as conn:
+        tables = (
+            conn.execute(
+                text(
+                    "SELECT tablename FROM pg_tables WHERE schemaname = 'public' "
+                    "AND tablename LIKE 'harvest\\_%' AND tablename <> 'harvest_alembic_version'"
+                )
+            )
+            .scalars()
+            .all()
+        )
+        if tables:
+            conn.execute(text(f"TRUNCATE {', '.join(tables)} RESTART IDENTITY CASCADE"))
+    return engine
+
+
+@pytest.fixture
+def redis_client(settings: Settings) -> Iterator[redis.Redis]:
+    """A client on this run's private Redis db, flushed before each test."""
+    client = redis.Redis.from_url(settings.redis_url)
+    client.flushdb()
+    client.set(OWNER_KEY, f"{os.getpid()}", ex=4 * 3600)
+    yield client
+    client.close()

@@ -1,0 +1,80 @@
+"""The dispatcher sends no more jobs of a key pool than the pool can serve now."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import redis
+from cryptography.fernet import Fernet
+from pydantic import SecretStr
+from sqlalchemy import Engine, text
+
+from harvest import dispatcher, keystore
+from harvest.app import Harvest
+from harvest.broker import Broker
+from harvest.jobs import Claimed
+from harvest.settings import Settings
+
+
+class RecordingBroker(Broker):
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.published: list[int] = []
+
+    def publish_jobs(self, messages: Sequence[Sequence[Claimed]]) -> None:
+        self.published += [job.id for message in messages for job in message]
+
+    def nudge_dispatch(self) -> None:
+        pass
+
+
+def _app(migrated: Settings, redis_client: redis.Redis) -> Harvest:
+    settings = migrated.model_copy(update={"secret_key": SecretStr(Fernet.generate_key().decode())})
+    app = Harvest(settings, broker=RecordingBroker(settings), redis_client=redis_client)
+    app.load_imports(["tests.jobs"])
+    cipher = keystore.Cipher.from_settings(settings)
+    with app.sessions.begin() as session:
+        for name in ("k1", "k2"):
+            keystore.add_key(
+                session, cipher, pool="test-pool", name=name, secret=f"s-{name}-0123456789"
+            )
+    keystore.sync_pool(app.engine, redis_client, "test-pool")
+    return app
+
+
+def test_dispatch_respects_pool_capacity(
+    migrated: Settings, clean_db: Engine, redis_client: redis.Redis
+) -> None:
+    app = _app(migrated, redis_client)
+    keyed = app.enqueue_many("call_api", [{"url": "http://127.0.0.1:9/"} for _ in range(50)])
+    plain = app.enqueue_many("echo", [{"value": i} for i in range(10)])
+
+    report = dispatcher.dispatch(app)
+    published = app.broker.published  # type: ignore[attr-defined]
+    assert set(plain) <= set(published)  # jobs without a pool are not held back
+    assert len(set(keyed) & set(published)) == 2  # two keys, concurrency 1 each
+    assert report.claimed == 12
+
+    dispatcher.dispatch(app)  # the two keyed jobs have not started: nothing more for the pool
+    assert len(set(keyed) & set(app.broker.published)) == 2  # type: ignore[attr-defined]
+    with clean_db.connect() as conn:
+        pending = conn.execute(
+            text(
+                "SELECT count(*) FROM harvest_jobs WHERE pool = 'test-pool' AND status = 'pending'"
+            )
+        ).scalar_one()
+    assert pending == 48
+    app.close()
+
+
+def test_a_disabled_key_shrinks_the_budget(
+    migrated: Settings, clean_db: Engine, redis_client: redis.Redis
+) -> None:
+    app = _app(migrated, redis_client)
+    with app.engine.begin() as conn:
+        keystore.set_status(conn, ("test-pool", "k1"), "disabled")
+    keystore.sync_pool(app.engine, redis_client, "test-pool")
+    keyed = app.enqueue_many("call_api", [{"url": "http://127.0.0.1:9/"} for _ in range(5)])
+    dispatcher.dispatch(app)
+    assert len(set(keyed) & set(app.broker.published)) == 1  # type: ignore[attr-defined]
+    app.close()

@@ -1,0 +1,256 @@
+"""store.claim_due: exclusive across OS processes, in priority-then-age order, never early."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue
+import random
+import time
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, text
+
+from harvest import store
+from harvest.db import make_engine
+from harvest.models import JobStatus
+from harvest.settings import Settings
+
+PRELOAD = ["sqlalchemy", "psycopg", "harvest.db", "harvest.store", __name__]
+
+
+def insert_jobs(engine: Engine, rows: list[tuple[int, datetime]]) -> list[int]:
+    """Insert pending noop jobs with the given (priority, run_at); returns their ids in order."""
+    with engine.begin() as conn:
+        return [
+            int(
+                conn.execute(
+                    text(
+                        "INSERT INTO harvest_jobs (name, priority, run_at) "
+                        "VALUES ('noop', :priority, :run_at) RETURNING id"
+                    ),
+                    {"priority": priority, "run_at": run_at},
+                ).scalar_one()
+            )
+            for priority, run_at in rows
+        ]
+
+
+def insert_due(engine: Engine, n: int) -> list[int]:
+    with engine.begin() as conn:
+        return list(
+            conn.execute(
+                text(
+                    "INSERT INTO harvest_jobs (name, run_at) "
+                    "SELECT 'noop', now() - interval '1 second' FROM generate_series(1, :n) "
+                    "RETURNING id"
+                ),
+                {"n": n},
+            ).scalars()
+        )
+
+
+def claim(engine: Engine, limit: int, ttl: float = 300) -> list[int]:
+    with engine.begin() as conn:
+        return [c.id for c in store.claim_due(conn, limit=limit, ttl=ttl)]
+
+
+def claim_until_empty(engine: Engine, limit: int) -> list[int]:
+    order: list[int] = []
+    while batch := claim(engine, limit):
+        order.extend(batch)
+    return order
+
+
+# --- exclusivity across processes -----------------------------------------------------------
+
+
+def claimer(url: str, index: int, barrier: Any, results: Any) -> None:
+    """One process, its own engine and connection: claim batches of 50 until none is due."""
+    try:
+        engine = make_engine(Settings(database_url=url), pool_size=1)
+        claimed: list[tuple[int, str]] = []
+        barrier.wait(60)
+        while True:
+            with engine.begin() as conn:
+                batch = store.claim_due(conn, limit=50, ttl=300)
+            if not batch:
+                break
+            claimed.extend((c.id, str(c.token)) for c in batch)
+        engine.dispose()
+        results.put((index, claimed, None))
+    except BaseException as exc:
+        results.put((index, None, f"{type(exc).__name__}: {exc}"))
+
+
+def test_four_processes_claim_every_row_exactly_once(clean_db: Engine, migrated: Settings) -> None:
+    ids = insert_due(clean_db, 5000)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    barrier = ctx.Barrier(4)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(target=claimer, args=(migrated.database_url, i, barrier, results))
+        for i in range(4)
+    ]
+    for p in procs:
+        p.start()
+    reports: dict[int, list[tuple[int, str]]] = {}
+    errors: list[str] = []
+    try:
+        for _ in procs:
+            index, claimed, error = results.get(timeout=60)
+            if error:
+                errors.append(error)
+            else:
+                reports[index] = claimed
+    except queue.Empty:
+        pass
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert not errors, errors
+    assert len(reports) == 4
+
+    per_process = [{job_id for job_id, _ in claimed} for claimed in reports.values()]
+    claimed_ids = [job_id for claimed in reports.values() for job_id, _ in claimed]
+    assert len(claimed_ids) == len(ids), "some row was claimed twice (or some never)"
+    assert set(claimed_ids) == set(ids)
+    for i, mine in enumerate(per_process):
+        for theirs in per_process[i + 1 :]:
+            assert not mine & theirs
+    assert sum(1 for mine in per_process if mine) >= 2, "no two processes claimed concurrently"
+
+    tokens = {job_id: token for claimed in reports.values() for job_id, token in claimed}
+    with clean_db.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT id, status, lease_token::text AS token, dispatched_at, "
+                "lease_expires_at > now() AS leased FROM harvest_jobs"
+            )
+        ).all()
+    assert {r.status for r in rows} == {"dispatched"}
+    assert all(r.dispatched_at is not None and r.leased for r in rows)
+    assert {r.id: r.token for r in rows} == tokens
+    assert len(set(tokens.values())) == len(ids), "two claims share a lease token"
+
+
+# --- order ----------------------------------------------------------------------------------
+
+
+def test_claim_order_is_priority_then_run_at_then_id(clean_db: Engine) -> None:
+    now = datetime.now(UTC)
+    ago = lambda s: now - timedelta(seconds=s)  # noqa: E731
+    a, b, c, d, e, f, g = insert_jobs(
+        clean_db,
+        [
+            (0, ago(100)),
+            (5, ago(10)),
+            (5, ago(50)),
+            (-3, ago(1000)),
+            (10, ago(1)),
+            (0, ago(200)),
+            (5, ago(50)),
+        ],
+    )
+    assert claim(clean_db, 3) == [e, c, g]  # the LIMIT takes the top three, in order
+    assert claim(clean_db, 100) == [b, f, a, d]
+    assert claim(clean_db, 100) == []
+
+
+def test_claiming_in_small_batches_follows_the_global_order(clean_db: Engine) -> None:
+    rng = random.Random(20240601)
+    now = datetime.now(UTC)
+    rows = [
+        (rng.choice([-1000, -5, 0, 0, 0, 1, 7, 1000]), now - timedelta(seconds=rng.randint(1, 50)))
+        for _ in range(300)
+    ]
+    ids = insert_jobs(clean_db, rows)
+    expected = [
+        job_id
+        for job_id, _ in sorted(
+            zip(ids, rows, strict=True), key=lambda x: (-x[1][0], x[1][1], x[0])
+        )
+    ]
+    assert claim_until_empty(clean_db, 7) == expected
+
+
+def test_rows_not_yet_due_are_never_claimed(clean_db: Engine) -> None:
+    now = datetime.now(UTC)
+    due = insert_jobs(clean_db, [(0, now - timedelta(seconds=1))] * 5)
+    future = insert_jobs(
+        clean_db,
+        [
+            (1000, now + timedelta(hours=1)),
+            (0, now + timedelta(minutes=5)),
+            (0, now + timedelta(seconds=30)),
+        ],
+    )
+    assert sorted(claim_until_empty(clean_db, 2)) == due
+    with clean_db.connect() as conn:
+        rows = conn.execute(
+            text("SELECT status, lease_token FROM harvest_jobs WHERE id = ANY(:ids)"),
+            {"ids": future},
+        ).all()
+    assert rows and all(r.status == "pending" and r.lease_token is None for r in rows)
+
+
+def test_zero_limit_claims_nothing(clean_db: Engine) -> None:
+    insert_due(clean_db, 3)
+    assert claim(clean_db, 0) == []
+    with clean_db.connect() as conn:
+        assert store.counts_by_status(conn) == {"pending": 3}
+
+
+def test_inflight_counts_dispatched_and_running(clean_db: Engine) -> None:
+    insert_due(clean_db, 6)
+    with clean_db.begin() as conn:
+        assert store.inflight(conn) == 0
+        claimed = store.claim_due(conn, limit=4, ttl=300)
+    with clean_db.begin() as conn:
+        assert store.inflight(conn) == 4
+        started = [store.start(conn, c.id, c.token, ttl=300) for c in claimed[:2]]
+        assert all(started)
+    with clean_db.begin() as conn:
+        assert store.inflight(conn) == 4
+        assert store.counts_by_status(conn) == {"pending": 2, "dispatched": 2, "running": 2}
+        assert store.finish(conn, claimed[0].id, claimed[0].token, status=JobStatus.SUCCEEDED)
+    with clean_db.begin() as conn:
+        assert store.inflight(conn) == 3
+        conn.execute(
+            text(
+                "UPDATE harvest_jobs SET lease_expires_at = now() - interval '1 s' WHERE id = :id"
+            ),
+            {"id": claimed[3].id},
+        )
+    with clean_db.begin() as conn:
+        assert store.rescue_expired(conn, limit=10).requeued == [claimed[3].id]
+    with clean_db.begin() as conn:
+        assert store.inflight(conn) == 2
+
+
+def test_claim_takes_a_lease_of_the_given_length(clean_db: Engine) -> None:
+    insert_due(clean_db, 1)
+    claim(clean_db, 1, ttl=90)
+    with clean_db.connect() as conn:
+        seconds = conn.execute(
+            text("SELECT extract(epoch FROM lease_expires_at - dispatched_at) FROM harvest_jobs")
+        ).scalar_one()
+    assert float(seconds) == pytest.approx(90, abs=0.01)
+
+
+def test_claim_skips_rows_locked_by_another_claimer(clean_db: Engine) -> None:
+    ids = insert_due(clean_db, 10)
+    with clean_db.connect() as first:
+        tx = first.begin()
+        held = [c.id for c in store.claim_due(first, limit=4, ttl=300)]
+        started = time.monotonic()
+        other = claim(clean_db, 100)  # must not wait for the open transaction
+        assert time.monotonic() - started < 2
+        tx.commit()
+    assert sorted(held + other) == ids
+    assert not set(held) & set(other)

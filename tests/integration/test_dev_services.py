@@ -1,0 +1,217 @@
+"""harvest.dev: the embedded default services (``harvest dev up`` / ``down`` / ``status``).
+
+The private-server tests point ``up``'s probes at closed ports, so that they start their own
+servers even though the machine's services answer on 5432 / 6379.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+import redis
+
+from harvest import dev
+from harvest.errors import ConfigurationError, ServiceUnavailable
+
+ADMIN_URL = os.environ.get(
+    "HARVEST_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
+)
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _closed_probes() -> dict[str, tuple[str, int]]:
+    return {
+        "probe_postgres": ("127.0.0.1", _closed_port()),
+        "probe_redis": ("127.0.0.1", _closed_port()),
+    }
+
+
+def _port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and int(entry.name) != os.getpid():
+            try:
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if text.encode() in cmdline and _pid_alive(int(entry.name)):
+                found.append(int(entry.name))
+    return found
+
+
+def _libpq(url: str) -> str:
+    return url.replace("postgresql+psycopg://", "postgresql://", 1)
+
+
+def _have_system_binaries() -> bool:
+    return shutil.which("redis-server") is not None and dev._system_postgres_bin() is not None
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Iterator[Path]:
+    path = tmp_path / ".harvest"
+    yield path
+    dev.down(path)  # never leave a server running, even when the test failed
+
+
+# --- no server started ----------------------------------------------------------------------
+
+
+def test_env_urls_are_used_as_they_are_and_start_nothing(state_dir: Path) -> None:
+    env = {
+        dev.DATABASE_ENV: "postgresql+psycopg://app:s3cret@db.invalid:5432/app",
+        dev.REDIS_ENV: "redis://:hunter2@cache.invalid:6379/1",
+    }
+    state = dev.up(state_dir, env=env, **_closed_probes())
+
+    assert state.servers == ()
+    assert (state.database_source, state.redis_source) == ("env", "env")
+    assert state.database_url == "postgresql+psycopg://app:***@db.invalid:5432/app"
+    text = (state_dir / dev.STATE_FILE).read_text()
+    assert "s3cret" not in text and "hunter2" not in text
+    assert not (state_dir / "postgres").exists() and not (state_dir / "redis").exists()
+    assert dev.load_dev_urls(state_dir) is None  # a redacted URL is not handed out
+    assert dev.down(state_dir) == []
+
+
+def test_machine_services_on_the_default_ports_are_used(state_dir: Path) -> None:
+    database = f"harvest_dev_{secrets.token_hex(4)}"
+    try:
+        state = dev.up(state_dir, env={}, database=database)
+        assert state.servers == ()
+        assert (state.database_source, state.redis_source) == ("default", "default")
+        assert state.database_url == f"postgresql+psycopg://postgres@127.0.0.1:5432/{database}"
+        assert state.redis_url == "redis://127.0.0.1:6379/0"
+        with psycopg.connect(_libpq(state.database_url)) as conn:
+            assert conn.execute("SELECT current_database()").fetchone() == (database,)
+        assert dev.load_dev_urls(state_dir) == state.urls()
+        assert dev.down(state_dir) == []
+        assert dev.load_dev_urls(state_dir) is None
+    finally:
+        with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+
+
+def test_bad_database_name_is_a_configuration_error(state_dir: Path) -> None:
+    with pytest.raises(ConfigurationError, match="database name"):
+        dev.up(state_dir, env={}, database="x; DROP", **_closed_probes())
+
+
+def test_status_and_down_without_a_record(state_dir: Path) -> None:
+    assert dev.status(state_dir).recorded is False
+    assert dev.down(state_dir) == []
+    assert dev.load_dev_urls(state_dir) is None
+
+
+def test_down_forgets_dead_servers_and_never_kills_a_recycled_pid(state_dir: Path) -> None:
+    gone = subprocess.run(["sh", "-c", "echo $$"], capture_output=True, text=True, check=True)
+    common = {"binaries": "system", "executable": "x", "log_file": "x", "run_as": None}
+    dead = dev.ServerRecord(
+        kind="postgres", pid=int(gone.stdout), port=1, data_dir=str(state_dir / "pg"),
+        stop_command=("false",), **common,
+    )  # fmt: skip
+    recycled = dev.ServerRecord(  # our own pid: alive, but not a redis-server
+        kind="redis", pid=os.getpid(), port=1, data_dir=str(state_dir), stop_command=(), **common
+    )
+    state_dir.mkdir()
+    record = dev.DevState(str(state_dir), "", "", "started", "started", (dead, recycled))
+    (state_dir / dev.STATE_FILE).write_text(record.to_json())
+
+    status = dev.status(state_dir)
+    assert [s.running for s in status.services] == [False, False]
+    assert sorted(s.kind for s in dev.down(state_dir)) == ["postgres", "redis"]
+    assert not (state_dir / dev.STATE_FILE).exists()
+    assert _pid_alive(os.getpid())
+
+
+# --- private servers ------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("binaries", ["system", "bundled"])
+def test_private_servers_up_answer_and_down_leaves_nothing(
+    state_dir: Path, binaries: dev.Binaries
+) -> None:
+    if binaries == "system" and not _have_system_binaries():
+        pytest.skip("no Postgres/Redis binaries on this machine")
+    probes = _closed_probes()
+    state = dev.up(state_dir, binaries=binaries, env={}, **probes)
+
+    assert (state.database_source, state.redis_source) == ("started", "started")
+    pg, rd = state.server("postgres"), state.server("redis")
+    assert pg is not None and rd is not None
+    assert {pg.binaries, rd.binaries} == {binaries}
+    assert state.database_url == f"postgresql+psycopg://postgres@127.0.0.1:{pg.port}/harvest"
+    assert json.loads((state_dir / dev.STATE_FILE).read_text())["servers"][0]["pid"] == pg.pid
+
+    with psycopg.connect(_libpq(state.database_url), autocommit=True) as conn:
+        assert conn.execute("SELECT current_database()").fetchone() == ("harvest",)
+        conn.execute("CREATE TABLE kept (v text)")
+        conn.execute("INSERT INTO kept VALUES ('durable')")
+    client = redis.Redis.from_url(state.redis_url)
+    try:
+        assert client.ping() is True
+        assert client.set("k", "v") is True
+    finally:
+        client.close()
+
+    assert dev.load_dev_urls(state_dir) == state.urls()
+    status = dev.status(state_dir)
+    assert status.up and all(s.running for s in status.services)
+    assert dev.up(state_dir, binaries=binaries, env={}, **probes).servers == state.servers
+
+    stopped = dev.down(state_dir)
+    assert sorted(s.kind for s in stopped) == ["postgres", "redis"]
+    for server in state.servers:
+        assert not _pid_alive(server.pid), server
+        assert not _port_open(server.port), server
+    assert _processes_mentioning(str(state_dir)) == []
+    assert not (state_dir / dev.STATE_FILE).exists()
+    assert dev.load_dev_urls(state_dir) is None
+    assert dev.down(state_dir) == []
+
+    # the data directory was kept: a second up starts on it again
+    again = dev.up(state_dir, binaries=binaries, env={}, **_closed_probes())
+    with psycopg.connect(_libpq(again.database_url)) as conn:
+        assert conn.execute("SELECT v FROM kept").fetchall() == [("durable",)]
+    dev.down(state_dir)
+    assert _processes_mentioning(str(state_dir)) == []
+
+
+@pytest.mark.slow
+def test_failed_up_stops_what_it_started(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dev, "_find_redis", lambda binaries: ("system", "/bin/false"))
+    with pytest.raises(ServiceUnavailable, match="redis is unavailable: /bin/false"):
+        dev.up(state_dir, env={}, **_closed_probes())
+    assert _processes_mentioning(str(state_dir)) == []
+    assert not (state_dir / dev.STATE_FILE).exists()

@@ -1,0 +1,140 @@
+"""Jobs that the test workers run (HARVEST_IMPORTS=tests.jobs)."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import psycopg
+
+from harvest import Harvest, JobContext, PermanentError, RetryPolicy
+
+app = Harvest()
+
+FAST_RETRY = RetryPolicy(base=0.3, factor=2.0, max_delay=5.0, jitter=0.1)
+
+
+def _effects_conn() -> psycopg.Connection[Any]:
+    url = os.environ["HARVEST_DATABASE_URL"].replace("postgresql+psycopg://", "postgresql://")
+    return psycopg.connect(url, autocommit=True)
+
+
+@app.job("noop")
+def noop(ctx: JobContext) -> None:
+    return None
+
+
+@app.job("echo")
+def echo(ctx: JobContext, value: Any = None) -> dict[str, Any]:
+    return {"value": value, "job_id": ctx.job_id, "attempt": ctx.attempt}
+
+
+@app.job("always_fails", max_attempts=3, retry=FAST_RETRY)
+def always_fails(ctx: JobContext, message: str = "boom") -> None:
+    raise RuntimeError(f"{message} (attempt {ctx.attempt})")
+
+
+@app.job("permanent_failure", max_attempts=5, retry=FAST_RETRY)
+def permanent_failure(ctx: JobContext) -> None:
+    raise PermanentError("this input can never work")
+
+
+@app.job("sleepy", max_attempts=3, retry=FAST_RETRY, timeout=60)
+def sleepy(ctx: JobContext, seconds: float = 1.0) -> dict[str, int]:
+    time.sleep(seconds)
+    return {"attempt": ctx.attempt}
+
+
+@app.job("effect", max_attempts=5, retry=FAST_RETRY)
+def effect(ctx: JobContext, seconds: float = 0.0) -> None:
+    """Records one row per execution (not unique): the test counts executions per job."""
+    if seconds:
+        time.sleep(seconds)
+    with _effects_conn() as conn:
+        conn.execute(
+            "INSERT INTO test_effects (job_id, attempt, pid) VALUES (%s, %s, %s)",
+            (ctx.job_id, ctx.attempt, os.getpid()),
+        )
+
+
+@app.job("timed_out", max_attempts=2, retry=FAST_RETRY, timeout=0.5)
+def timed_out(ctx: JobContext) -> None:
+    time.sleep(10)
+
+
+@app.job("call_api", pool="test-pool", max_attempts=5, retry=FAST_RETRY, timeout=30)
+def call_api(ctx: JobContext, url: str, hold: float = 0.0) -> dict[str, Any]:
+    """Calls the test API server with the leased key (a pooled client per key); the server
+    logs (key digest, fence, start, end)."""
+    assert ctx.lease is not None
+    with ctx.client() as http:
+        response = http.get(url, params={"fence": ctx.lease.fence, "hold": hold, "job": ctx.job_id})
+    if response.status_code == 429:
+        ctx.rate_limited(float(response.headers.get("Retry-After", "1")))
+    if response.status_code in (401, 403):
+        ctx.key_rejected(f"HTTP {response.status_code}")
+    response.raise_for_status()
+    with _effects_conn() as conn:
+        conn.execute(
+            "INSERT INTO test_effects (job_id, attempt, pid) VALUES (%s, %s, %s)",
+            (ctx.job_id, ctx.attempt, os.getpid()),
+        )
+    return {"key_id": ctx.lease.key_id, "body": response.text}
+
+
+# --- scheduling and flow control ------------------------------------------------------------
+
+
+@app.job("tick")
+def tick(ctx: JobContext, schedule: str = "") -> dict[str, Any]:
+    """What a recurring schedule enqueues in the tests."""
+    return {"schedule": schedule, "job_id": ctx.job_id}
+
+
+@app.job("limited", max_depth=5)
+def limited(ctx: JobContext, value: Any = None) -> None:
+    """A job with its own max_depth of pending jobs."""
+
+
+@app.job("batch_done", max_attempts=3, retry=FAST_RETRY)
+def batch_done(
+    ctx: JobContext, batch_id: int, succeeded: int, failed: int, cancelled: int, tag: str = ""
+) -> dict[str, Any]:
+    """A batch callback: returns what it was told (the test reads the job's result)."""
+    return {
+        "batch_id": batch_id,
+        "succeeded": succeeded,
+        "failed": failed,
+        "cancelled": cancelled,
+        "tag": tag,
+    }
+
+
+@app.job("cooperative", max_attempts=3, retry=FAST_RETRY, timeout=120)
+def cooperative(ctx: JobContext, seconds: float = 60.0) -> dict[str, Any]:
+    """Records that it started, then works until done or until ``ctx.cancelled``."""
+    with _effects_conn() as conn:
+        conn.execute(
+            "INSERT INTO test_effects (job_id, attempt, pid) VALUES (%s, %s, %s)",
+            (ctx.job_id, ctx.attempt, os.getpid()),
+        )
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if ctx.cancelled:
+            return {"stopped": "cancelled"}
+        time.sleep(0.05)
+    return {"stopped": "done"}
+
+
+@app.job("fails_slowly", max_attempts=5, retry=FAST_RETRY, timeout=60)
+def fails_slowly(ctx: JobContext, seconds: float = 1.0) -> None:
+    """Records that it started, works for ``seconds`` without looking at ``ctx.cancelled``,
+    then fails (a retryable error)."""
+    with _effects_conn() as conn:
+        conn.execute(
+            "INSERT INTO test_effects (job_id, attempt, pid) VALUES (%s, %s, %s)",
+            (ctx.job_id, ctx.attempt, os.getpid()),
+        )
+    time.sleep(seconds)
+    raise RuntimeError("failed after the cancel request")

@@ -1,0 +1,195 @@
+"""Flow control on real Celery workers: a delay longer than the broker's visibility timeout,
+priorities under a deep backlog (and aging), a 500-job batch barrier across workers, and
+cancellation of pending and running jobs."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import redis
+from sqlalchemy import Engine, text
+
+from harvest.app import Harvest
+from harvest.models import JobStatus
+from tests.processes.conftest import Cluster, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+def statuses(engine: Engine, ids: list[int]) -> dict[str, int]:
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT status, count(*) FROM harvest_jobs WHERE id = ANY(:ids) GROUP BY status"),
+            {"ids": ids},
+        ).all()
+    return {r[0]: r[1] for r in rows}
+
+
+def one(engine: Engine, sql: str, **params: Any) -> Any:
+    with engine.connect() as conn:
+        return conn.execute(text(sql), params).one()
+
+
+def test_a_delay_longer_than_the_visibility_timeout_runs_exactly_once(
+    cluster: Cluster, client_app: Harvest, effects: Engine, redis_client: redis.Redis
+) -> None:
+    """Celery's ETA pain: a countdown longer than the Redis visibility timeout is redelivered
+    again and again. Here the delay lives in Postgres: no message exists until the job is due."""
+    cluster.env["HARVEST_BROKER_VISIBILITY_TIMEOUT"] = "6"
+    cluster.up(execution=2)
+    ref = client_app.enqueue("effect", {}, delay=timedelta(seconds=14))
+    time.sleep(8)  # past the visibility timeout, before the job is due
+    job = client_app.get(ref.id)
+    assert job.status is JobStatus.PENDING and job.dispatched_at is None  # never published
+    assert redis_client.llen("execution") == 0
+    done = client_app.wait(ref.id, timeout=60)
+    assert done.status is JobStatus.SUCCEEDED
+    assert done.started_at is not None and done.started_at >= done.run_at
+    time.sleep(8)  # another visibility timeout: nothing comes back
+    executions = one(effects, "SELECT count(*) FROM test_effects WHERE job_id = :id", id=ref.id)
+    assert executions[0] == 1
+    assert client_app.get(ref.id).attempts == 1
+
+
+def test_ten_thousand_low_and_a_hundred_high_priority_jobs(
+    cluster: Cluster, client_app: Harvest, engine: Engine
+) -> None:
+    """All due together: every high-priority job starts before the low-priority ones that
+    were not already in flight; then the low-priority ones flow. (That none waits forever under
+    a continuing flood of higher priorities is the aging share: the next test.)"""
+    low = client_app.enqueue_many("noop", [{}] * 10_000, priority=-5)
+    high = client_app.enqueue_many("echo", [{"value": i} for i in range(100)], priority=50)
+    cluster.up(execution=2)
+    try:
+        wait_until(lambda: statuses(engine, high).get("succeeded") == 100, 90, 0.5, "high done")
+        last_high = one(
+            engine,
+            "SELECT max(started_at), max(dispatched_at) FROM harvest_jobs WHERE id = ANY(:i)",
+            i=high,
+        )
+        ahead = one(
+            engine,
+            "SELECT count(*) FILTER (WHERE started_at < :s), "
+            "count(*) FILTER (WHERE dispatched_at < :d) FROM harvest_jobs WHERE id = ANY(:i)",
+            s=last_high[0], d=last_high[1], i=low,
+        )  # fmt: skip
+        # No low job was claimed before the last high one (the first claim mixes 100 high
+        # and 100 low, all stamped at once); the few low jobs that started before the last high
+        # one were in those same first messages.
+        assert ahead[1] == 0
+        assert ahead[0] <= client_app.settings.claim_batch_size
+        wait_until(
+            lambda: statuses(engine, low).get("succeeded", 0) >= 1000, 60, 1.0, "low jobs flow"
+        )
+    except AssertionError:
+        print(statuses(engine, low), cluster.logs())
+        raise
+
+
+def test_starving_low_priority_jobs_run_under_a_flood_of_high_priority_ones(
+    cluster: Cluster, client_app: Harvest, engine: Engine
+) -> None:
+    """With HARVEST_STARVATION_AFTER=2 s, low-priority jobs start while higher-priority ones
+    keep arriving faster than the workers can run them."""
+    cluster.env["HARVEST_STARVATION_AFTER"] = "2"
+    cluster.up(execution=1)
+    low = client_app.enqueue_many("noop", [{}] * 20, priority=-100)
+    high: list[int] = []
+    deadline = time.monotonic() + 25
+    try:
+        while time.monotonic() < deadline and statuses(engine, low).get("succeeded", 0) < 20:
+            high += client_app.enqueue_many("noop", [{}] * 300, priority=100)
+            time.sleep(0.5)
+        waiting_high = statuses(engine, high).get("pending", 0)
+        assert statuses(engine, low).get("succeeded") == 20
+        assert waiting_high > 0, "the flood never outran the workers: the test proves nothing"
+        # Each low job went out while higher-priority jobs, enqueued before it went out, still
+        # waited: only the aging share lets it overtake them.
+        overtook = one(
+            engine,
+            "SELECT count(*) FROM harvest_jobs AS l WHERE l.id = ANY(:low) AND EXISTS ("
+            " SELECT 1 FROM harvest_jobs AS h WHERE h.id = ANY(:high)"
+            " AND h.created_at < l.dispatched_at"
+            " AND (h.dispatched_at IS NULL OR h.dispatched_at > l.dispatched_at))",
+            low=low, high=high,
+        )  # fmt: skip
+        assert overtook[0] == 20
+        waited = one(
+            engine,
+            "SELECT max(extract(epoch FROM started_at - run_at)) FROM harvest_jobs "
+            "WHERE id = ANY(:low)",
+            low=low,
+        )
+        assert waited[0] < 2 + 15  # the threshold, then a few claim rounds
+    except AssertionError:
+        print(statuses(engine, low), statuses(engine, high), cluster.logs())
+        raise
+
+
+def test_a_batch_of_500_fires_its_callback_once_after_its_last_member(
+    cluster: Cluster, client_app: Harvest, effects: Engine
+) -> None:
+    members = [
+        ("permanent_failure", {}) if i % 10 == 3 else ("effect", {}) for i in range(500)
+    ]  # 50 fail at once (PermanentError)
+    ref = client_app.enqueue_batch(members, on_complete="batch_done")
+    cluster.up(execution=2, concurrency=2)
+    try:
+        callback = wait_until(
+            lambda: client_app.batch(ref.id).callback_job_id, 150, 0.5, "the batch to complete"
+        )
+        done = client_app.wait(callback, timeout=30)
+    except AssertionError:
+        print(client_app.batch(ref.id), cluster.logs())
+        raise
+    assert done.status is JobStatus.SUCCEEDED
+    assert done.result == {
+        "batch_id": ref.id, "succeeded": 450, "failed": 50, "cancelled": 0, "tag": "",
+    }  # fmt: skip
+    with effects.connect() as conn:
+        callbacks = conn.execute(
+            text("SELECT count(*) FROM harvest_jobs WHERE name = 'batch_done'")
+        ).scalar_one()
+        last_member = conn.execute(
+            text("SELECT max(finished_at) FROM harvest_jobs WHERE batch_id = :b"), {"b": ref.id}
+        ).scalar_one()
+        workers = conn.execute(text("SELECT count(DISTINCT pid) FROM test_effects")).scalar_one()
+    assert callbacks == 1
+    assert done.started_at is not None and done.started_at >= last_member
+    assert workers >= 2, "members all ended in one process: the test proves less than it says"
+    batch = client_app.batch(ref.id)
+    assert (batch.succeeded, batch.failed, batch.pending) == (450, 50, 0)
+
+
+def test_cancel_pending_and_running_jobs(
+    cluster: Cluster, client_app: Harvest, effects: Engine
+) -> None:
+    pending = client_app.enqueue("cooperative", {"seconds": 1}, delay=3)
+    running = client_app.enqueue("cooperative", {"seconds": 60})
+    assert client_app.cancel(pending.id) is JobStatus.CANCELLED
+    cluster.up(execution=1)
+    try:
+        wait_until(
+            lambda: client_app.get(running.id).status is JobStatus.RUNNING, 60, 0.1, "running"
+        )
+        asked = time.monotonic()
+        assert client_app.cancel(running.id) is JobStatus.RUNNING
+        stopped = client_app.wait(running.id, timeout=30)
+        took = time.monotonic() - asked
+        time.sleep(4)  # past the pending job's due time: still nothing runs it
+    except AssertionError:
+        print(cluster.logs())
+        raise
+    assert stopped.status is JobStatus.CANCELLED
+    assert stopped.result == {"stopped": "cancelled"}
+    assert took < 10  # a heartbeat (a third of the 3 s lease) tells the handler
+    never = client_app.get(pending.id)
+    assert never.status is JobStatus.CANCELLED and never.started_at is None
+    with effects.connect() as conn:
+        runs = dict(
+            conn.execute(text("SELECT job_id, count(*) FROM test_effects GROUP BY job_id")).all()
+        )
+    assert runs == {running.id: 1}

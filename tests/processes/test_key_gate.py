@@ -1,0 +1,210 @@
+"""The key pool gate on real workers: limits hold at the service, a rejected key is disabled,
+a Redis restart loses nothing, and the secret never leaks."""
+
+from __future__ import annotations
+
+import secrets
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import redis
+from cryptography.fernet import Fernet
+from pydantic import SecretStr
+from sqlalchemy import Engine, text
+
+from harvest import keystore
+from harvest.app import Harvest
+from harvest.settings import Settings
+from tests.processes.api_server import ApiServer, digest, max_in_window, max_overlap
+from tests.processes.conftest import Cluster, wait_until
+
+pytestmark = pytest.mark.slow
+
+POOL = "test-pool"
+SENTINEL = "sk-SENTINEL" + secrets.token_hex(12)
+KEYS = {  # name: (max concurrency, rate)
+    "a": (1, "5/s"),
+    "b": (2, "5/s"),
+    "c": (1, None),
+    "d": (2, None),
+}
+
+
+@pytest.fixture
+def keyed(migrated: Settings, clean_db: Engine, redis_client: redis.Redis) -> Settings:
+    settings = migrated.model_copy(update={"secret_key": SecretStr(Fernet.generate_key().decode())})
+    cipher = keystore.Cipher.from_settings(settings)
+    app = Harvest(settings)
+    with app.sessions.begin() as session:
+        for name, (concurrency, rate) in KEYS.items():
+            keystore.add_key(
+                session,
+                cipher,
+                pool=POOL,
+                name=name,
+                secret=f"{SENTINEL}-{name}",
+                max_concurrency=concurrency,
+                rate_limit=rate,
+            )
+    keystore.sync_pool(app.engine, redis_client, POOL)
+    app.close()
+    return settings
+
+
+@pytest.fixture
+def api() -> Iterator[tuple[ApiServer, str]]:
+    server = ApiServer()
+    url = server.start()
+    yield server, url
+    server.stop()
+
+
+def _run(
+    settings: Settings, tmp_path: Path, effects: Engine, url: str, n: int, during=None
+) -> Cluster:  # type: ignore[no-untyped-def]
+    cluster = Cluster(settings, tmp_path)
+    cluster.env["HARVEST_SECRET_KEY"] = settings.secret_key.get_secret_value()  # type: ignore[union-attr]
+    cluster.worker("schedule", concurrency=1)
+    cluster.worker("execution", concurrency=2)
+    cluster.worker("execution", concurrency=2)
+    cluster.beat()
+    cluster.wait_ready()
+    client = Harvest(settings)
+    client.load_imports(["tests.jobs"])
+    client.enqueue_many("call_api", [{"url": url, "hold": 0.05} for _ in range(n)])
+    if during is not None:
+        during(client)
+
+    def done() -> bool:
+        with effects.connect() as conn:
+            return (
+                conn.execute(
+                    text("SELECT count(*) FROM harvest_jobs WHERE status = 'succeeded'")
+                ).scalar_one()
+                == n
+            )
+
+    try:
+        wait_until(done, 180, 0.5, f"{n} keyed jobs to succeed")
+    except AssertionError:
+        cluster.stop()
+        print(cluster.logs())
+        raise
+    client.close()
+    return cluster
+
+
+def test_limits_hold_at_the_service_and_every_key_is_used(
+    keyed: Settings, effects: Engine, api: tuple[ApiServer, str], tmp_path: Path
+) -> None:
+    server, url = api
+    cluster = _run(keyed, tmp_path, effects, url, 120)
+    cluster.stop()
+    by_key: dict[str, list] = {}  # type: ignore[type-arg]
+    for call in server.calls:
+        by_key.setdefault(call.key, []).append(call)
+    assert set(by_key) == {digest(f"{SENTINEL}-{name}") for name in KEYS}  # every key used
+    for name, (concurrency, rate) in KEYS.items():
+        calls = by_key[digest(f"{SENTINEL}-{name}")]
+        assert max_overlap(calls) <= concurrency, f"key {name} over its concurrency"
+        if rate:
+            assert max_in_window([c.start for c in calls], 1.0) <= 5, f"key {name} over 5/s"
+        fences = [c.fence for c in calls]
+        assert len(set(fences)) == len(fences)  # every lease had its own fencing number
+    with effects.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM test_effects")).scalar_one() == 120
+
+
+def test_a_rejected_key_is_disabled_and_jobs_finish_on_the_others(
+    keyed: Settings, effects: Engine, api: tuple[ApiServer, str], tmp_path: Path
+) -> None:
+    server, url = api
+    server.rejected.add(digest(f"{SENTINEL}-d"))
+    cluster = _run(keyed, tmp_path, effects, url, 40)
+    cluster.stop()
+    with effects.connect() as conn:
+        status = conn.execute(
+            text("SELECT status FROM harvest_api_keys WHERE name = 'd'")
+        ).scalar_one()
+        attempts = conn.execute(text("SELECT max(attempts) FROM harvest_jobs")).scalar_one()
+    assert status == "disabled"
+    assert attempts == 1  # the rejection did not use up the jobs' attempts
+    assert digest(f"{SENTINEL}-d") not in {c.key for c in server.calls}
+
+
+def test_redis_flushed_mid_run_loses_nothing_and_the_pool_is_rebuilt(
+    keyed: Settings,
+    effects: Engine,
+    api: tuple[ApiServer, str],
+    tmp_path: Path,
+    redis_client: redis.Redis,
+) -> None:
+    _, url = api
+
+    def flush(client: Harvest) -> None:
+        wait_until(lambda: _succeeded(effects) >= 10, 60, 0.1, "the run to get going")
+        redis_client.flushdb()  # what a restart without persistence leaves: nothing
+
+    cluster = _run(keyed, tmp_path, effects, url, 80, during=flush)
+    cluster.stop()
+    assert "rebuilt from Postgres" in cluster.logs(tail=10**7)
+    with effects.connect() as conn:
+        assert (
+            conn.execute(text("SELECT count(DISTINCT job_id) FROM test_effects")).scalar_one() == 80
+        )
+
+
+def test_the_secret_never_leaks(
+    keyed: Settings,
+    effects: Engine,
+    api: tuple[ApiServer, str],
+    tmp_path: Path,
+    redis_client: redis.Redis,
+) -> None:
+    server, url = api
+    server.rejected.add(digest(f"{SENTINEL}-c"))  # errors and tracebacks on the way
+    cluster = _run(keyed, tmp_path, effects, url, 30)
+    cluster.stop()
+    assert SENTINEL not in cluster.logs(tail=10**8)
+    for key in redis_client.scan_iter(count=1000):
+        assert SENTINEL.encode() not in key
+        kind = redis_client.type(key)
+        if kind == b"string":
+            assert SENTINEL.encode() not in (redis_client.get(key) or b"")
+        elif kind == b"hash":
+            assert SENTINEL.encode() not in b"".join(
+                k + v for k, v in redis_client.hgetall(key).items()
+            )
+        elif kind == b"zset":
+            assert SENTINEL.encode() not in b"".join(redis_client.zrange(key, 0, -1))
+        elif kind == b"list":
+            assert SENTINEL.encode() not in b"".join(redis_client.lrange(key, 0, -1))
+    with effects.connect() as conn:
+        for table in ("harvest_jobs", "harvest_api_keys", "harvest_counters"):
+            dump = conn.execute(
+                text(f"SELECT string_agg(t::text, ' ') FROM {table} t")
+            ).scalar_one()
+            assert SENTINEL not in (dump or "")
+    env = {**cluster.env, "HARVEST_IMPORTS": "tests.jobs"}
+    for args in (["keys", "ls"], ["jobs", "ls", "--limit", "100"], ["stats"]):
+        result = subprocess.run(
+            [str(Path(sys.executable).parent / "harvest"), *args],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert SENTINEL not in result.stdout + result.stderr
+
+
+def _succeeded(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                text("SELECT count(*) FROM harvest_jobs WHERE status = 'succeeded'")
+            ).scalar_one()
+        )
