@@ -1,0 +1,19 @@
+"""The harvest jobs the benchmark's workers run (``HARVEST_IMPORTS=bench.jobs``).
+
+Only harvest's public API: a ``Harvest`` object at module level whose jobs the workers load.
+The job behind the key pool gate lives in :mod:`bench.jobs_pooled`, imported only by the
+workers of the gate scenario, so that the other scenarios run harvest with no pool declared.
+"""
+
+from __future__ import annotations
+
+from harvest import Harvest, JobContext
+
+NOOP = "bench.noop"
+
+app = Harvest()
+
+
+@app.job(NOOP, max_attempts=3, timeout=60)
+def noop(ctx: JobContext) -> None:
+    """Nothing: what is measured is the platform's cost per job."""

@@ -1,0 +1,16 @@
+"""The no-op job behind the key pool gate (``HARVEST_IMPORTS=bench.jobs_pooled``): each run
+leases a key of pool ``bench`` and releases it after."""
+
+from __future__ import annotations
+
+from harvest import Harvest, JobContext
+
+NOOP_POOLED = "bench.noop_pooled"
+POOL = "bench"
+
+app = Harvest()
+
+
+@app.job(NOOP_POOLED, max_attempts=3, timeout=60, pool=POOL)
+def noop_pooled(ctx: JobContext) -> None:
+    """Nothing, behind the key pool gate."""
