@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import uuid
-from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
@@ -134,84 +133,74 @@ def dispatched_by_pool(conn: Connection, pools: Sequence[str]) -> dict[str, int]
     return {r.pool: int(r.n) for r in rows}
 
 
-def _claim_statement(*, aged: bool, budgeted: bool) -> TextClause:
-    """The claim: due pending rows, locked with SKIP LOCKED, marked dispatched with a fresh
-    lease token, in one statement. ``aged``: only rows due for longer than ``:starve`` seconds,
-    oldest first (the aging share; index ``harvest_jobs_age_idx``); otherwise highest
-    priority first (``harvest_jobs_claim_idx``). ``budgeted``: at most ``budget`` rows of each
-    named key pool, looking ``:scan`` rows deep."""
-    due = "run_at <= now() - make_interval(secs => :starve)" if aged else "run_at <= now()"
-    order = "run_at, id" if aged else "priority DESC, run_at, id"
+def _claim_statement(*, budgeted: bool) -> TextClause:
+    """The claim, in one statement (one round trip, atomic on its own): due pending rows,
+    locked with SKIP LOCKED, marked dispatched with a fresh lease token.
+
+    Two scans feed it. ``aged``: up to ``:share`` rows due for longer than ``:starve`` seconds,
+    oldest first (the aging share; index ``harvest_jobs_age_idx``; with ``:share`` 0 it reads
+    nothing). ``fresh``: the rest, highest priority first (``harvest_jobs_claim_idx``).
+    ``budgeted``: at most ``budget`` rows of each named key pool, looking ``:scan`` rows deep."""
     update = """
     UPDATE harvest_jobs AS j
     SET status = 'dispatched', lease_token = gen_random_uuid(), dispatched_at = now(),
         lease_expires_at = now() + make_interval(secs => :ttl)
     FROM chosen WHERE j.id = chosen.id
-    RETURNING j.id, j.lease_token, j.queue, j.priority, j.run_at, j.pool
+    RETURNING j.id, j.lease_token, j.queue, j.priority, j.run_at, j.pool, chosen.aged
     """
+    aged = """
+    aged AS (
+        SELECT id, pool, priority, run_at, true AS aged FROM harvest_jobs
+        WHERE status = 'pending' AND run_at <= now() - make_interval(secs => :starve)
+        ORDER BY run_at, id
+        LIMIT :share
+        FOR UPDATE SKIP LOCKED
+    )"""
+
+    def fresh(limit: str) -> str:
+        return f"""
+    fresh AS (
+        SELECT id, pool, priority, run_at, false AS aged FROM harvest_jobs
+        WHERE status = 'pending' AND run_at <= now()
+          AND id <> ALL(ARRAY(SELECT id FROM aged))
+        ORDER BY priority DESC, run_at, id
+        LIMIT {limit}
+        FOR UPDATE SKIP LOCKED
+    )"""
+
     if not budgeted:
         return text(
             f"""
-            WITH chosen AS (
-                SELECT id FROM harvest_jobs
-                WHERE status = 'pending' AND {due}
-                ORDER BY {order}
-                LIMIT :limit
-                FOR UPDATE SKIP LOCKED
-            ) {update}"""
+            WITH {aged}, {fresh(":limit - (SELECT count(*) FROM aged)")},
+            chosen AS (SELECT id, aged FROM aged UNION ALL SELECT id, aged FROM fresh)
+            {update}"""
         )
+    order = "aged DESC, priority DESC, run_at, id"
     return text(
         f"""
-        WITH cand AS (
-            SELECT id, pool, priority, run_at FROM harvest_jobs
-            WHERE status = 'pending' AND {due}
-            ORDER BY {order}
-            LIMIT :scan
-            FOR UPDATE SKIP LOCKED
-        ), ranked AS (
-            SELECT c.id, c.priority, c.run_at, b.budget,
+        WITH {aged}, {fresh(":scan")},
+        cand AS (SELECT * FROM aged UNION ALL SELECT * FROM fresh),
+        ranked AS (
+            SELECT c.id, c.aged, c.priority, c.run_at, b.budget,
                    row_number() OVER (PARTITION BY c.pool ORDER BY {order}) AS rn
             FROM cand AS c
             LEFT JOIN unnest(CAST(:pools AS text[]), CAST(:budgets AS int[])) AS b(pool, budget)
                    ON b.pool = c.pool
         ), chosen AS (
-            SELECT id FROM ranked WHERE budget IS NULL OR rn <= budget
+            SELECT id, aged FROM ranked WHERE budget IS NULL OR rn <= budget
             ORDER BY {order}
             LIMIT :limit
         ) {update}"""
     )
 
 
-_CLAIMS = {
-    (aged, budgeted): _claim_statement(aged=aged, budgeted=budgeted)
-    for aged in (False, True)
-    for budgeted in (False, True)
-}
+_CLAIMS = {budgeted: _claim_statement(budgeted=budgeted) for budgeted in (False, True)}
 
 
 def aging_share(limit: int) -> int:
     """How many rows of a claim of ``limit`` go to jobs waiting past the starvation threshold:
     10 %, at least one."""
     return min(limit, max(1, limit // 10)) if limit > 0 else 0
-
-
-def _claim_rows(
-    conn: Connection,
-    *,
-    aged: bool,
-    limit: int,
-    ttl: float,
-    budgets: Mapping[str, int] | None,
-    starve: float = 0.0,
-) -> list[Any]:
-    params: dict[str, Any] = {"limit": limit, "ttl": ttl, "starve": starve}
-    if budgets:
-        params |= {
-            "scan": limit * 4,
-            "pools": list(budgets),
-            "budgets": [max(0, n) for n in budgets.values()],
-        }
-    return list(conn.execute(_CLAIMS[aged, bool(budgets)], params))
 
 
 def claim_due(
@@ -222,7 +211,8 @@ def claim_due(
     budgets: Mapping[str, int] | None = None,
     starvation_after: float | None = None,
 ) -> list[Claimed]:
-    """Claim up to ``limit`` due pending jobs, highest priority first, then oldest run_at.
+    """Claim up to ``limit`` due pending jobs, highest priority first, then oldest run_at, in
+    one statement.
 
     ``FOR UPDATE SKIP LOCKED`` makes concurrent claimers take disjoint rows; each claimed row
     gets a fresh lease token and an expiry after which rescue takes it back. With ``budgets``
@@ -236,23 +226,23 @@ def claim_due(
     """
     if limit <= 0:
         return []
-    aged: list[Any] = []
-    if starvation_after is not None and starvation_after > 0:
-        aged = _claim_rows(
-            conn,
-            aged=True,
-            limit=aging_share(limit),
-            ttl=ttl,
-            budgets=budgets,
-            starve=starvation_after,
-        )
-        aged.sort(key=lambda r: (r.run_at, r.id))
-        if budgets:
-            taken = Counter(r.pool for r in aged)
-            budgets = {pool: n - taken[pool] for pool, n in budgets.items()}
-    rows = _claim_rows(conn, aged=False, limit=limit - len(aged), ttl=ttl, budgets=budgets)
-    rows.sort(key=lambda r: (-r.priority, r.run_at, r.id))
-    return [Claimed(id=r.id, token=r.lease_token, queue=r.queue) for r in aged + rows]
+    starve = starvation_after if starvation_after is not None and starvation_after > 0 else 0.0
+    params: dict[str, Any] = {
+        "limit": limit,
+        "ttl": ttl,
+        "starve": starve,
+        "share": aging_share(limit) if starve else 0,
+    }
+    if budgets:
+        params |= {
+            "scan": limit * 4,
+            "pools": list(budgets),
+            "budgets": [max(0, n) for n in budgets.values()],
+        }
+    rows = list(conn.execute(_CLAIMS[bool(budgets)], params))
+    aged = sorted((r for r in rows if r.aged), key=lambda r: (r.run_at, r.id))
+    fresh = sorted((r for r in rows if not r.aged), key=lambda r: (-r.priority, r.run_at, r.id))
+    return [Claimed(id=r.id, token=r.lease_token, queue=r.queue) for r in aged + fresh]
 
 
 # --- execution ------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import math
@@ -67,10 +68,16 @@ def encode_payload(payload: Any, *, limit: int) -> str:
     return encoded
 
 
+@functools.lru_cache(maxsize=4096)
+def _signature(func: Callable[..., Any]) -> inspect.Signature:
+    """A handler's signature, computed once (bulk enqueue checks every payload against it)."""
+    return inspect.signature(func)
+
+
 def check_signature(func: Callable[..., Any], payload: Mapping[str, Any]) -> None:
     """The payload must bind to ``handler(ctx, **payload)``."""
     try:
-        inspect.signature(func).bind(None, **payload)
+        _signature(func).bind(None, **payload)
     except TypeError as exc:
         raise InvalidPayload(f"does not fit the handler's parameters: {exc}") from None
 
