@@ -7,6 +7,7 @@ import inspect
 import json
 import math
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -68,16 +69,56 @@ def encode_payload(payload: Any, *, limit: int) -> str:
     return encoded
 
 
+@dataclass(frozen=True, slots=True)
+class _Params:
+    """What keyword arguments a handler ``handler(ctx, **payload)`` accepts."""
+
+    signature: inspect.Signature
+    names: frozenset[str]  # every keyword it accepts by name
+    required: frozenset[str]  # those without a default
+    any_keyword: bool  # it takes **kwargs
+    ctx_name: str | None  # the ctx parameter's name, when a keyword could collide with it
+    simple: bool  # the set check above is the whole story (else: inspect's bind decides)
+
+
 @functools.lru_cache(maxsize=4096)
-def _signature(func: Callable[..., Any]) -> inspect.Signature:
-    """A handler's signature, computed once (bulk enqueue checks every payload against it)."""
-    return inspect.signature(func)
+def _params_of(func: Callable[..., Any]) -> _Params:
+    """A handler's parameters, worked out once (bulk enqueue checks every payload)."""
+    signature = inspect.signature(func)
+    P = inspect.Parameter
+    everything: list[inspect.Parameter | None] = [*signature.parameters.values()]
+    first, *rest = everything or [None]
+    params = [p for p in rest if p is not None]
+    kinds = {p.kind for p in params}
+    keyword = (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)
+    simple = (
+        first is not None
+        and first.kind in (P.POSITIONAL_ONLY, P.POSITIONAL_OR_KEYWORD)
+        and kinds <= {*keyword, P.VAR_KEYWORD}
+    )
+    return _Params(
+        signature,
+        frozenset(p.name for p in params if p.kind in keyword),
+        frozenset(p.name for p in params if p.kind in keyword and p.default is p.empty),
+        P.VAR_KEYWORD in kinds,
+        first.name if first is not None and first.kind is P.POSITIONAL_OR_KEYWORD else None,
+        simple,
+    )
 
 
 def check_signature(func: Callable[..., Any], payload: Mapping[str, Any]) -> None:
     """The payload must bind to ``handler(ctx, **payload)``."""
-    try:
-        _signature(func).bind(None, **payload)
+    params = _params_of(func)
+    if params.simple:
+        keys = payload.keys()
+        if (
+            params.required <= keys
+            and (params.any_keyword or keys <= params.names)
+            and params.ctx_name not in keys
+        ):
+            return
+    try:  # the slow path, for its message (and for unusual signatures)
+        params.signature.bind(None, **payload)
     except TypeError as exc:
         raise InvalidPayload(f"does not fit the handler's parameters: {exc}") from None
 

@@ -225,6 +225,28 @@ def test_enqueue_many_stores_n_rows_in_order(app: Harvest, clean_db: Engine) -> 
     assert {(r.priority, r.status) for r in rows} == {(3, "pending")}
 
 
+def test_enqueue_many_delay_and_options_are_stored_on_every_row(
+    app: Harvest, clean_db: Engine
+) -> None:
+    """The bulk path (COPY) stores what the single path does; the delay counts from the
+    database's clock (run_at - created_at is the delay, both read from Postgres)."""
+    ids = app.enqueue_many("echo", [{"value": i} for i in range(300)], delay=90, max_attempts=7)
+    with clean_db.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT extract(epoch FROM run_at - created_at) AS lag, max_attempts, queue, "
+                "name, attempts, status FROM harvest_jobs WHERE id = ANY(:ids)"
+            ),
+            {"ids": ids},
+        ).all()
+    assert len(rows) == 300
+    assert {
+        (float(r.lag), r.max_attempts, r.queue, r.name, r.attempts, r.status) for r in rows
+    } == {(90.0, 7, "execution", "echo", 0, "pending")}
+    later = app.enqueue("echo", {"value": -1})  # the sequence moved past the bulk rows' ids
+    assert later.id > max(ids)
+
+
 def test_enqueue_many_of_nothing_stores_nothing(app: Harvest, clean_db: Engine) -> None:
     assert app.enqueue_many("echo", []) == []
     assert count_jobs(clean_db) == 0

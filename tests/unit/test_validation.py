@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 import types
 from datetime import UTC, date, datetime, timedelta, timezone
@@ -14,6 +15,7 @@ from hypothesis import strategies as st
 
 from harvest import validation
 from harvest.errors import EnqueueError, InvalidOption, InvalidPayload, PayloadTooLarge
+from harvest.validation import check_signature
 
 LIMIT = 256 * 1024
 
@@ -307,3 +309,35 @@ def test_bad_timeout_is_refused(timeout: Any) -> None:
 
 def test_good_timeout_is_seconds() -> None:
     assert validation.check_timeout(30, maximum=3600) == 30.0
+
+
+# --- the handler-signature check: a fast path that must agree with inspect's bind ---------
+
+
+def _h1(ctx, a, b=1): ...  # type: ignore[no-untyped-def]
+def _h2(ctx, *, a, **kw): ...  # type: ignore[no-untyped-def]
+def _h3(ctx, /, a, **kw): ...  # type: ignore[no-untyped-def]
+def _h4(ctx, a, *args): ...  # type: ignore[no-untyped-def]
+def _h5(*, a): ...  # type: ignore[no-untyped-def]
+def _h6(ctx, **kw): ...  # type: ignore[no-untyped-def]
+def _h7(): ...  # type: ignore[no-untyped-def]
+def _h8(ctx, a, /, b): ...  # type: ignore[no-untyped-def]
+
+
+@pytest.mark.parametrize("handler", [_h1, _h2, _h3, _h4, _h5, _h6, _h7, _h8])
+def test_signature_check_agrees_with_inspect_bind(handler: Any) -> None:
+    payloads: list[dict[str, Any]] = [
+        {}, {"a": 1}, {"b": 2}, {"a": 1, "b": 2}, {"ctx": 1}, {"a": 1, "ctx": 2}, {"c": 3},
+        {"a": 1, "c": 3}, {"a": 1, "b": 2, "c": 3},
+    ]  # fmt: skip
+    for payload in payloads:
+        try:
+            inspect.signature(handler).bind(None, **payload)
+            fits = True
+        except TypeError:
+            fits = False
+        if fits:
+            check_signature(handler, payload)
+        else:
+            with pytest.raises(InvalidPayload, match="does not fit the handler's parameters"):
+                check_signature(handler, payload)

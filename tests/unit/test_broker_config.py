@@ -1,0 +1,29 @@
+"""The Celery settings harvest's guarantees rest on (README, "Guarantees")."""
+
+from __future__ import annotations
+
+from harvest.broker import celery_config
+from harvest.settings import Settings
+
+
+def test_redis_broker_connections_fail_fast_when_cut_off() -> None:
+    options = celery_config(Settings(broker_url="redis://127.0.0.1:6379/3"))[
+        "broker_transport_options"
+    ]
+    # A consumer on a half-open connection (a partition) reconnects within ~1 + 2 x 5 s.
+    assert options["health_check_interval"] <= 5
+    assert options["socket_timeout"] > 1.0  # above kombu's 1 s BRPOP
+    assert options["socket_keepalive"] is True
+    assert options["visibility_timeout"] > Settings().max_timeout
+
+
+def test_rabbitmq_gets_no_redis_socket_options() -> None:
+    config = celery_config(Settings(broker_url="amqp://guest:guest@127.0.0.1:5672//"))
+    assert set(config["broker_transport_options"]) == {"visibility_timeout"}
+
+
+def test_json_only_and_acks_late() -> None:
+    config = celery_config(Settings())
+    assert config["accept_content"] == ["json"]
+    assert config["task_acks_late"] and config["task_reject_on_worker_lost"]
+    assert config["worker_prefetch_multiplier"] == 1
