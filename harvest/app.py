@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, ParamSpec, TypeVar, Unpack
 
 import redis
 from sqlalchemy import Connection, Engine
@@ -35,7 +35,7 @@ from harvest.errors import (
 from harvest.jobs import Job, JobRef
 from harvest.models import JobStatus
 from harvest.retry import RetryPolicy
-from harvest.schedules import Schedule
+from harvest.schedules import Schedule, ScheduleChanges
 from harvest.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -643,26 +643,12 @@ class Harvest:
             start_at=start_at,
         )  # fmt: skip
 
-    def update_schedule(
-        self,
-        name: str,
-        *,
-        job: str | None = None,
-        cron: str | None = None,
-        every: float | timedelta | None = None,
-        payload: Mapping[str, Any] | None = None,
-        timezone: str | None = None,
-        misfire: str | None = None,
-        catch_up: int | None = None,
-        priority: int | None = None,
-        start_at: datetime | None = None,
-    ) -> Schedule:
-        """Change a schedule (None: unchanged). A new ``cron``, ``every``, ``timezone`` or
-        ``start_at`` re-times it from now. Raises ScheduleNotFound."""
-        return schedules.update(
-            self, name, job=job, cron=cron, every=every, payload=payload, timezone=timezone,
-            misfire=misfire, catch_up=catch_up, priority=priority, start_at=start_at,
-        )  # fmt: skip
+    def update_schedule(self, name: str, **changes: Unpack[ScheduleChanges]) -> Schedule:
+        """Change a schedule (None: unchanged): keyword arguments ``job``, ``cron``, ``every``,
+        ``payload``, ``timezone``, ``misfire``, ``catch_up``, ``priority`` and ``start_at``, as
+        for :meth:`schedule` (see :class:`~harvest.schedules.ScheduleChanges`). A new ``cron``,
+        ``every``, ``timezone`` or ``start_at`` re-times it from now. Raises ScheduleNotFound."""
+        return schedules.update(self, name, **changes)
 
     def pause_schedule(self, name: str) -> Schedule:
         """Stop firing ``name`` until resumed."""

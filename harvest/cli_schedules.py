@@ -117,25 +117,26 @@ def schedules_add(
         )
 
 
+def _set_enabled(name: str, *, enabled: bool) -> Schedule:
+    """Resume (True) or pause (False) the schedule ``name``; returns it as it is now."""
+    app = _app()
+    try:
+        return app.resume_schedule(name) if enabled else app.pause_schedule(name)
+    finally:
+        app.close()
+
+
 @schedules_cli.command("pause")
 def schedules_pause(name: str) -> None:
     """Stop firing a schedule until it is resumed."""
-    app = _app()
-    try:
-        s = app.pause_schedule(name)
-    finally:
-        app.close()
+    s = _set_enabled(name, enabled=False)
     out.print(f"schedule {s.name}: paused", markup=False)
 
 
 @schedules_cli.command("resume")
 def schedules_resume(name: str) -> None:
     """Fire a paused schedule again, from its next fire time after now."""
-    app = _app()
-    try:
-        s = app.resume_schedule(name)
-    finally:
-        app.close()
+    s = _set_enabled(name, enabled=True)
     out.print(f"schedule {s.name}: next run {_fmt_time(s.next_run_at)}", markup=False)
 
 

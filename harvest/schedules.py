@@ -25,7 +25,7 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
 from croniter import croniter
@@ -276,6 +276,21 @@ class Schedule:
     @property
     def timing(self) -> Timing:
         return Timing(cron=self.cron, every=self.every, timezone=self.timezone)
+
+
+class ScheduleChanges(TypedDict, total=False):
+    """The keyword arguments of :meth:`Harvest.update_schedule` (those of :func:`update`): the
+    fields to change; one left out, or None, is unchanged."""
+
+    job: str | None
+    cron: str | None
+    every: float | timedelta | None
+    payload: Mapping[str, Any] | None
+    timezone: str | None
+    misfire: str | None
+    catch_up: int | None
+    priority: int | None
+    start_at: datetime | None
 
 
 # --- the API (called through Harvest) ----------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import psycopg
 import pytest
@@ -17,6 +18,10 @@ import redis
 from sqlalchemy import Engine, text
 
 from harvest.settings import Settings
+
+if TYPE_CHECKING:
+    from harvest.app import Harvest
+    from harvest.runner import Runner
 
 
 def _service_urls() -> tuple[str, str]:
@@ -129,3 +134,27 @@ def redis_client(settings: Settings) -> Iterator[redis.Redis]:
     client.set(OWNER_KEY, f"{os.getpid()}", ex=4 * 3600)
     yield client
     client.close()
+
+
+@pytest.fixture
+def effects(engine: Engine) -> Engine:
+    """An empty ``test_effects`` table, where the jobs of ``tests.jobs`` record each run."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "CREATE TABLE IF NOT EXISTS test_effects (id bigserial PRIMARY KEY, job_id bigint, "
+                "attempt int, pid int, at timestamptz DEFAULT clock_timestamp())"
+            )
+        )
+        conn.execute(text("TRUNCATE test_effects"))
+    return engine
+
+
+@pytest.fixture
+def runner(app: Harvest) -> Iterator[Runner]:
+    """The worker's Runner, in-process, on the test module's ``app`` fixture."""
+    from harvest.runner import Runner
+
+    r = Runner(app)
+    yield r
+    r.heartbeat.stop()

@@ -7,31 +7,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import redis
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from harvest import store
 from harvest.app import Harvest
-from harvest.jobs import Claimed, Job
+from harvest.jobs import Job
 from harvest.models import JobStatus
 from harvest.runner import Runner
 from harvest.settings import Settings
-
-
-@pytest.fixture
-def effects(engine: Engine) -> Engine:
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                "CREATE TABLE IF NOT EXISTS test_effects (id bigserial PRIMARY KEY, job_id bigint, "
-                "attempt int, pid int, at timestamptz DEFAULT clock_timestamp())"
-            )
-        )
-        conn.execute(text("TRUNCATE test_effects"))
-    return engine
+from tests.helpers import body, claim_all, effect_count
 
 
 @pytest.fixture
@@ -50,31 +37,6 @@ def app(
     harvest.close()
 
 
-@pytest.fixture
-def runner(app: Harvest) -> Iterator[Runner]:
-    r = Runner(app)
-    yield r
-    r.heartbeat.stop()
-
-
-def claim_all(engine: Engine) -> list[Claimed]:
-    with engine.begin() as conn:
-        return store.claim_due(conn, limit=100, ttl=300)
-
-
-def body(claimed: list[Claimed]) -> list[list[Any]]:
-    return [[c.id, str(c.token)] for c in claimed]
-
-
-def runs(engine: Engine, job_id: int) -> int:
-    with engine.connect() as conn:
-        return int(
-            conn.execute(
-                text("SELECT count(*) FROM test_effects WHERE job_id = :id"), {"id": job_id}
-            ).scalar_one()
-        )
-
-
 def get(app: Harvest, job_id: int) -> Job:
     return app.get(job_id)
 
@@ -86,8 +48,8 @@ def test_cancelled_pending_job_never_runs(app: Harvest, runner: Runner, effects:
     claimed = claim_all(effects)
     assert [c.id for c in claimed] == [kept.id]
     runner.execute(body(claimed))
-    assert runs(effects, ref.id) == 0
-    assert runs(effects, kept.id) == 1
+    assert effect_count(effects, ref.id) == 0
+    assert effect_count(effects, kept.id) == 1
     job = get(app, ref.id)
     assert job.status is JobStatus.CANCELLED and job.finished_at is not None
     assert job.started_at is None and job.attempts == 0
@@ -101,7 +63,7 @@ def test_job_cancelled_while_its_message_is_in_flight_never_runs(
     assert app.cancel(ref.id) is JobStatus.DISPATCHED
     counts = runner.execute(body(claimed))
     assert counts["started"] == 0
-    assert runs(effects, ref.id) == 0
+    assert effect_count(effects, ref.id) == 0
     job = get(app, ref.id)
     assert (job.status, job.attempts) == (JobStatus.CANCELLED, 0)
 
@@ -114,7 +76,7 @@ def test_running_job_sees_ctx_cancelled_and_ends_cancelled(
     worker.start()
     try:
         deadline = time.monotonic() + 10
-        while runs(effects, ref.id) == 0 and time.monotonic() < deadline:
+        while effect_count(effects, ref.id) == 0 and time.monotonic() < deadline:
             time.sleep(0.02)
         assert get(app, ref.id).status is JobStatus.RUNNING
         asked = time.monotonic()
@@ -126,7 +88,7 @@ def test_running_job_sees_ctx_cancelled_and_ends_cancelled(
     assert job.status is JobStatus.CANCELLED
     assert job.result == {"stopped": "cancelled"}  # the handler saw it and returned
     assert stopped_after < 3
-    assert job.attempts == 1 and runs(effects, ref.id) == 1
+    assert job.attempts == 1 and effect_count(effects, ref.id) == 1
 
 
 def test_a_failure_after_a_cancel_request_ends_cancelled_not_retried(
@@ -139,14 +101,14 @@ def test_a_failure_after_a_cancel_request_ends_cancelled_not_retried(
     worker.start()
     try:
         deadline = time.monotonic() + 10
-        while runs(effects, ref.id) == 0 and time.monotonic() < deadline:
+        while effect_count(effects, ref.id) == 0 and time.monotonic() < deadline:
             time.sleep(0.02)
         app.cancel(ref.id)
         job = app.wait(ref.id, timeout=10)
     finally:
         worker.join(30)
     assert job.status is JobStatus.CANCELLED
-    assert job.attempts == 1 and runs(effects, ref.id) == 1
+    assert job.attempts == 1 and effect_count(effects, ref.id) == 1
     assert job.last_error == "RuntimeError: failed after the cancel request"
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import redis
 from cryptography.fernet import Fernet
 from pydantic import SecretStr
@@ -11,21 +9,8 @@ from sqlalchemy import Engine, text
 
 from harvest import dispatcher, keystore
 from harvest.app import Harvest
-from harvest.broker import Broker
-from harvest.jobs import Claimed
 from harvest.settings import Settings
-
-
-class RecordingBroker(Broker):
-    def __init__(self, settings: Settings) -> None:
-        super().__init__(settings)
-        self.published: list[int] = []
-
-    def publish_jobs(self, messages: Sequence[Sequence[Claimed]]) -> None:
-        self.published += [job.id for message in messages for job in message]
-
-    def nudge_dispatch(self) -> None:
-        pass
+from tests.helpers import RecordingBroker
 
 
 def _app(migrated: Settings, redis_client: redis.Redis) -> Harvest:

@@ -18,19 +18,7 @@ from harvest.jobs import Claimed, Job
 from harvest.models import JobStatus
 from harvest.runner import DUPLICATES, LOST, MALFORMED, Runner
 from harvest.settings import Settings
-
-
-@pytest.fixture
-def effects(engine: Engine) -> Engine:
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                "CREATE TABLE IF NOT EXISTS test_effects (id bigserial PRIMARY KEY, job_id bigint, "
-                "attempt int, pid int, at timestamptz DEFAULT clock_timestamp())"
-            )
-        )
-        conn.execute(text("TRUNCATE test_effects"))
-    return engine
+from tests.helpers import body, claim_all, effect_count
 
 
 @pytest.fixture
@@ -48,22 +36,6 @@ def app(
     harvest.close()
 
 
-@pytest.fixture
-def runner(app: Harvest) -> Iterator[Runner]:
-    r = Runner(app)
-    yield r
-    r.heartbeat.stop()
-
-
-def claim_all(engine: Engine) -> list[Claimed]:
-    with engine.begin() as conn:
-        return store.claim_due(conn, limit=100, ttl=300)
-
-
-def body(claimed: list[Claimed]) -> list[list[Any]]:
-    return [[c.id, str(c.token)] for c in claimed]
-
-
 def job(engine: Engine, job_id: int) -> Job:
     with engine.connect() as conn:
         found = store.get(conn, job_id)
@@ -74,15 +46,6 @@ def job(engine: Engine, job_id: int) -> Job:
 def counter(engine: Engine, name: str) -> int:
     with engine.connect() as conn:
         return store.counters(conn).get(name, 0)
-
-
-def effect_count(engine: Engine, job_id: int) -> int:
-    with engine.connect() as conn:
-        return int(
-            conn.execute(
-                text("SELECT count(*) FROM test_effects WHERE job_id = :id"), {"id": job_id}
-            ).scalar_one()
-        )
 
 
 def expire(engine: Engine, job_id: int) -> None:

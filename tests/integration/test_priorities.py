@@ -4,16 +4,13 @@ with a higher priority."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import redis
 from sqlalchemy import Engine, text
 
 from harvest import dispatcher, store
 from harvest.app import Harvest
-from harvest.broker import Broker
-from harvest.jobs import Claimed
 from harvest.settings import Settings
+from tests.helpers import RecordingBroker
 
 
 def add(engine: Engine, n: int, *, priority: int, age: float, pool: str | None = None) -> list[int]:
@@ -69,25 +66,13 @@ def test_aging_respects_pool_budgets(clean_db: Engine) -> None:
     assert len(first) == 20
 
 
-class Recorder(Broker):
-    def __init__(self, settings: Settings) -> None:
-        super().__init__(settings)
-        self.published: list[int] = []
-
-    def publish_jobs(self, messages: Sequence[Sequence[Claimed]]) -> None:
-        self.published += [job.id for message in messages for job in message]
-
-    def nudge_dispatch(self) -> None:
-        pass
-
-
 def test_dispatcher_applies_the_setting(
     migrated: Settings, clean_db: Engine, redis_client: redis.Redis
 ) -> None:
     settings = migrated.model_copy(
         update={"starvation_after": 60.0, "claim_batch_size": 10, "inflight_window": 10}
     )
-    broker = Recorder(settings)
+    broker = RecordingBroker(settings)
     app = Harvest(settings, broker=broker, redis_client=redis_client)
     try:
         old = add(clean_db, 3, priority=-1, age=120)
@@ -103,7 +88,7 @@ def test_dispatcher_applies_the_setting(
             conn.execute(
                 text("UPDATE harvest_jobs SET status = 'succeeded' WHERE status = 'dispatched'")
             )
-        off_broker = Recorder(off.settings)
+        off_broker = RecordingBroker(off.settings)
         off._lazy.broker = off_broker
         dispatcher.dispatch(off)
         assert not set(off_broker.published) & set(old)

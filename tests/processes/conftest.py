@@ -68,19 +68,6 @@ def client_app(migrated: Settings) -> Iterator[Harvest]:
     app.close()
 
 
-@pytest.fixture
-def effects(engine: Engine) -> Engine:
-    with engine.begin() as conn:
-        conn.execute(
-            text(
-                "CREATE TABLE IF NOT EXISTS test_effects (id bigserial PRIMARY KEY, job_id bigint, "
-                "attempt int, pid int, at timestamptz DEFAULT clock_timestamp())"
-            )
-        )
-        conn.execute(text("TRUNCATE test_effects"))
-    return engine
-
-
 def wait_until(predicate, timeout: float, interval: float = 0.2, what: str = "condition"):  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -95,3 +82,13 @@ def pg_count(settings: Settings, sql: str) -> int:
     with psycopg.connect(settings.psycopg_url) as conn:
         row = conn.execute(sql).fetchone()
         return int(row[0]) if row else 0
+
+
+def statuses(engine: Engine, ids: list[int]) -> dict[str, int]:
+    """How many of the jobs ``ids`` are in each status: ``{"succeeded": 3, ...}``."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text("SELECT status, count(*) FROM harvest_jobs WHERE id = ANY(:ids) GROUP BY status"),
+            {"ids": ids},
+        ).all()
+    return {r[0]: r[1] for r in rows}

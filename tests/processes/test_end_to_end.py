@@ -11,18 +11,9 @@ from sqlalchemy import Engine, text
 
 from harvest.app import Harvest
 from harvest.models import JobStatus
-from tests.processes.conftest import Cluster, wait_until
+from tests.processes.conftest import Cluster, statuses, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-def _statuses(engine: Engine, ids: list[int]) -> dict[str, int]:
-    with engine.connect() as conn:
-        rows = conn.execute(
-            text("SELECT status, count(*) FROM harvest_jobs WHERE id = ANY(:ids) GROUP BY status"),
-            {"ids": ids},
-        ).all()
-    return {r[0]: r[1] for r in rows}
 
 
 def test_thousand_jobs_each_finish_exactly_once(
@@ -34,10 +25,10 @@ def test_thousand_jobs_each_finish_exactly_once(
 
     try:
         wait_until(
-            lambda: _statuses(effects, ids).get("succeeded") == 1000, 180, 0.5, "1000 succeeded"
+            lambda: statuses(effects, ids).get("succeeded") == 1000, 180, 0.5, "1000 succeeded"
         )
     except AssertionError:
-        print(_statuses(effects, ids), cluster.logs())
+        print(statuses(effects, ids), cluster.logs())
         raise
     with effects.connect() as conn:
         per_job = conn.execute(
@@ -98,7 +89,7 @@ def test_higher_priority_due_jobs_are_dispatched_first(
     low = client_app.enqueue_many("echo", [{"value": i} for i in range(300)], priority=0)
     high = client_app.enqueue_many("echo", [{"value": i} for i in range(30)], priority=10)
     cluster.up()
-    wait_until(lambda: _statuses(engine, low + high).get("succeeded") == 330, 120, 0.5, "all done")
+    wait_until(lambda: statuses(engine, low + high).get("succeeded") == 330, 120, 0.5, "all done")
     with engine.connect() as conn:
         last_high = conn.execute(
             text("SELECT max(dispatched_at) FROM harvest_jobs WHERE id = ANY(:ids)"), {"ids": high}

@@ -14,18 +14,9 @@ from sqlalchemy import Engine, text
 
 from harvest.app import Harvest
 from harvest.models import JobStatus
-from tests.processes.conftest import Cluster, wait_until
+from tests.processes.conftest import Cluster, statuses, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-def statuses(engine: Engine, ids: list[int]) -> dict[str, int]:
-    with engine.connect() as conn:
-        rows = conn.execute(
-            text("SELECT status, count(*) FROM harvest_jobs WHERE id = ANY(:ids) GROUP BY status"),
-            {"ids": ids},
-        ).all()
-    return {r[0]: r[1] for r in rows}
 
 
 def one(engine: Engine, sql: str, **params: Any) -> Any:

@@ -1,0 +1,49 @@
+"""Helpers shared by the in-process integration tests: claim and run jobs without Celery, count
+what the test jobs did, and a broker that records what the dispatcher publishes."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from sqlalchemy import Engine, text
+
+from harvest import store
+from harvest.broker import Broker
+from harvest.jobs import Claimed
+from harvest.settings import Settings
+
+
+def claim_all(engine: Engine) -> list[Claimed]:
+    """Claim every due job (up to 100), as the dispatcher would before publishing them."""
+    with engine.begin() as conn:
+        return store.claim_due(conn, limit=100, ttl=300)
+
+
+def body(claimed: list[Claimed]) -> list[list[Any]]:
+    """The message a worker gets for ``claimed``: ``[[id, token], ...]``."""
+    return [[c.id, str(c.token)] for c in claimed]
+
+
+def effect_count(engine: Engine, job_id: int) -> int:
+    """How many times a test job recorded its effect (in the ``effects`` fixture's table)."""
+    with engine.connect() as conn:
+        return int(
+            conn.execute(
+                text("SELECT count(*) FROM test_effects WHERE job_id = :id"), {"id": job_id}
+            ).scalar_one()
+        )
+
+
+class RecordingBroker(Broker):
+    """Publishes nothing: records the ids of the jobs the dispatcher sends, in order."""
+
+    def __init__(self, settings: Settings) -> None:
+        super().__init__(settings)
+        self.published: list[int] = []
+
+    def publish_jobs(self, messages: Sequence[Sequence[Claimed]]) -> None:
+        self.published += [job.id for message in messages for job in message]
+
+    def nudge_dispatch(self) -> None:
+        pass
