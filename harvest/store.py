@@ -446,7 +446,7 @@ _RESCUE = text(
         finished_at = CASE
             WHEN j.cancel_requested OR (j.status = 'running' AND j.attempts >= j.max_attempts)
             THEN now() END,
-        lease_token = NULL, lease_expires_at = NULL, run_at = now()
+        lease_token = NULL, lease_expires_at = NULL
     FROM expired WHERE j.id = expired.id
     RETURNING j.id, j.status
     """
@@ -461,7 +461,10 @@ class Rescued:
 
 
 def rescue_expired(conn: Connection, *, limit: int) -> Rescued:
-    """Take back jobs whose lease expired: their worker died, hung or was cut off."""
+    """Take back jobs whose lease expired: their worker died, hung or was cut off.
+
+    A re-queued job keeps its ``run_at``: it was due long ago, so it is claimed ahead of the
+    backlog that came after it (within its priority), not behind it."""
     by_status: dict[str, list[int]] = {"pending": [], "failed": [], "cancelled": []}
     for r in conn.execute(_RESCUE, {"limit": limit}):
         by_status[r.status].append(r.id)

@@ -225,6 +225,20 @@ def test_rescue_requeues_an_expired_running_job_keeping_its_attempts(
     assert again[0].token != claimed.token
 
 
+def test_a_rescued_job_is_claimed_ahead_of_the_backlog_enqueued_after_it(
+    app: Harvest, effects: Engine
+) -> None:
+    first = app.enqueue("noop", {})
+    [claimed] = claim_all(effects)
+    start(effects, claimed)  # its worker dies here
+    later = app.enqueue_many("noop", [{}] * 20)
+    expire(effects, first.id)
+    assert rescue(effects).requeued == [first.id]
+    with effects.begin() as conn:
+        again = store.claim_due(conn, limit=1, ttl=300)
+    assert [c.id for c in again] == [first.id], f"queued behind {len(later)} later jobs"
+
+
 def test_rescue_fails_an_expired_job_on_its_last_attempt(app: Harvest, effects: Engine) -> None:
     ref = app.enqueue("noop", {}, max_attempts=2)
     [claimed] = claim_all(effects)
