@@ -99,7 +99,7 @@ def test_f1_sigkill_children_and_main_processes_under_load(
             f"{under_fire:.0f} s, {len(victims)} running jobs interrupted; kill-to-rescue median "
             f"{statistics.median(rescues or [0]):.1f} s, worst shown (lease 3 s, rescue every "
             f"1 s); worst attempt-to-next-attempt "
-            f"{float(rerun or 0):.0f} s (a rescued job queues behind the backlog); "
+            f"{float(rerun or 0):.0f} s (rescued jobs keep their place in the queue); "
             f"{figures.summary()}; jobs sleep 20-200 ms; 2 workers x {F1_CONCURRENCY} children"
         ),
     )
