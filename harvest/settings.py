@@ -83,6 +83,11 @@ class Settings(BaseSettings):
     statement_timeout_ms: int = Field(default=30_000, ge=0)
     idle_in_transaction_timeout_ms: int = Field(default=60_000, ge=0)
     worker_concurrency: int = Field(default=2, ge=1)
+    task_events: bool = Field(
+        default=True,
+        description="Workers send Celery task events (Flower's live view). Off: Celery's "
+        "default; Flower turns them on while it runs (every 5 s).",
+    )
     broker_visibility_timeout: float | None = Field(
         default=None,
         gt=0,

@@ -27,3 +27,8 @@ def test_json_only_and_acks_late() -> None:
     assert config["accept_content"] == ["json"]
     assert config["task_acks_late"] and config["task_reject_on_worker_lost"]
     assert config["worker_prefetch_multiplier"] == 1
+
+
+def test_task_events_follow_the_setting() -> None:
+    assert celery_config(Settings())["worker_send_task_events"] is True  # Flower's live view
+    assert celery_config(Settings(task_events=False))["worker_send_task_events"] is False
