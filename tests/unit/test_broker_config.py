@@ -32,3 +32,14 @@ def test_json_only_and_acks_late() -> None:
 def test_task_events_follow_the_setting() -> None:
     assert celery_config(Settings())["worker_send_task_events"] is True  # Flower's live view
     assert celery_config(Settings(task_events=False))["worker_send_task_events"] is False
+
+
+def test_a_claim_is_spread_over_the_consumers_in_messages_of_at_most_the_maximum() -> None:
+    from harvest.broker import jobs_per_message
+
+    assert jobs_per_message(1, 16, 2) == 1
+    assert jobs_per_message(2, 16, 2) == 1  # one each
+    assert jobs_per_message(4, 16, 2) == 2
+    assert jobs_per_message(5, 16, 2) == 3  # messages of 3 and 2
+    assert jobs_per_message(100, 16, 2) == 16
+    assert jobs_per_message(100, 16, 50) == 2
