@@ -103,6 +103,23 @@ _COPY_MANY = (
 )
 
 
+BACKSLASH = "\\"
+COPY_ROWS_PER_WRITE = 500  # bounds one write's memory (payloads may be up to 256 KiB each)
+
+
+def _copy_text(value: Any) -> str:
+    """One value in COPY's text format."""
+    if value is None:
+        return "\\N"
+    text_value = value.isoformat() if isinstance(value, datetime) else str(value)
+    return (
+        text_value.replace("\\", "\\\\")
+        .replace("\t", "\\t")
+        .replace("\n", "\\n")
+        .replace("\r", "\\r")
+    )
+
+
 def insert_many(conn: Connection, template: NewJob, payloads_json: Sequence[str]) -> list[int]:
     """Insert many jobs of one name with COPY (the fastest way rows get into Postgres).
 
@@ -116,21 +133,20 @@ def insert_many(conn: Connection, template: NewJob, payloads_json: Sequence[str]
     ids = sorted(int(i) for i in reserved.ids)
     run_at = template.run_at or reserved.now + timedelta(seconds=template.delay or 0.0)
     t = template
+    # The columns every row shares, formatted once; each row adds its id and payload. COPY's
+    # text format: tab-separated, \N for NULL, backslashes doubled (the JSON text has no raw
+    # tab or newline: json escapes them inside strings).
+    head = "\t".join(_copy_text(v) for v in (t.name, t.queue))
+    tail = "\t".join(_copy_text(v) for v in (t.priority, run_at, t.max_attempts, t.timeout, t.pool))
     raw = conn.connection.driver_connection
     assert raw is not None
+    rows = list(zip(ids, payloads_json, strict=True))
     with raw.cursor() as cur, cur.copy(_COPY_MANY) as copy:
-        for job_id, payload in zip(ids, payloads_json, strict=True):
-            copy.write_row(
-                (
-                    job_id,
-                    t.name,
-                    t.queue,
-                    payload,
-                    t.priority,
-                    run_at,
-                    t.max_attempts,
-                    t.timeout,
-                    t.pool,
+        for start in range(0, len(rows), COPY_ROWS_PER_WRITE):
+            copy.write(
+                "".join(
+                    f"{job_id}\t{head}\t{payload.replace(BACKSLASH, BACKSLASH * 2)}\t{tail}\n"
+                    for job_id, payload in rows[start : start + COPY_ROWS_PER_WRITE]
                 )
             )
     return ids

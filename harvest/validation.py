@@ -55,6 +55,10 @@ def _as_dict(value: Any) -> dict[str, Any]:
     raise TypeError(f"{type(value).__name__} is not JSON")
 
 
+# One encoder for every payload (json.dumps with options builds a new one per call).
+_ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False, default=_as_dict)
+
+
 def encode_payload(payload: Any, *, limit: int) -> str:
     """The payload as compact JSON text, or InvalidPayload / PayloadTooLarge."""
     if not isinstance(payload, Mapping):
@@ -62,9 +66,9 @@ def encode_payload(payload: Any, *, limit: int) -> str:
             f"must be a JSON object (the handler's keyword arguments), got {type(payload).__name__}"
         )
     _check_values(payload, 0, "payload")
-    encoded = json.dumps(payload, separators=(",", ":"), allow_nan=False, default=_as_dict)
-    size = len(encoded.encode())
-    if size > limit:
+    encoded = _ENCODER.encode(payload)
+    # Each character is 1 to 4 bytes of UTF-8: count the bytes only when that matters.
+    if len(encoded) * 4 > limit and (size := len(encoded.encode())) > limit:
         raise PayloadTooLarge(size, limit)
     return encoded
 

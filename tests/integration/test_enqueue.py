@@ -247,6 +247,21 @@ def test_enqueue_many_delay_and_options_are_stored_on_every_row(
     assert later.id > max(ids)
 
 
+def test_enqueue_many_stores_awkward_text_exactly(app: Harvest, clean_db: Engine) -> None:
+    """Bulk rows go through COPY's text format: backslashes, tabs, newlines, a literal \\N,
+    quotes and non-ASCII text must come back as they went in."""
+    values = [
+        "back\\slash", "tab\there", "new\nline", "cr\rret", "\\N", "\\\\N", '"quoted"',
+        "émoji 🌾", "\u2028sep", "", "end\\",
+    ]  # fmt: skip
+    ids = app.enqueue_many("echo", [{"value": v} for v in values])
+    with clean_db.connect() as conn:
+        stored = conn.execute(
+            text("SELECT payload FROM harvest_jobs WHERE id = ANY(:ids) ORDER BY id"), {"ids": ids}
+        ).scalars()
+        assert [p["value"] for p in stored] == values
+
+
 def test_enqueue_many_of_nothing_stores_nothing(app: Harvest, clean_db: Engine) -> None:
     assert app.enqueue_many("echo", []) == []
     assert count_jobs(clean_db) == 0
