@@ -8,7 +8,7 @@ never payloads (payloads stay in Postgres).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from celery import Celery
@@ -86,29 +86,36 @@ def make_celery(settings: Settings, name: str = "harvest") -> Celery:
     return app
 
 
-def chunk(claimed: Sequence[Claimed], per_message: int) -> list[list[Claimed]]:
-    """Group claimed jobs of one queue into messages of at most ``per_message`` jobs."""
-    by_queue: dict[str, list[Claimed]] = {}
+MESSAGE_SECONDS = 0.05  # jobs share a message only while their run times add up to less
+
+
+def chunk(claimed: Sequence[Claimed], per_message: Mapping[str, int]) -> list[list[Claimed]]:
+    """Group claimed jobs by queue and job name into messages of at most
+    ``per_message[name]`` jobs (1 for a name not in it)."""
+    groups: dict[tuple[str, str], list[Claimed]] = {}
     for job in claimed:
-        by_queue.setdefault(job.queue, []).append(job)
-    return [
-        jobs[i : i + per_message]
-        for jobs in by_queue.values()
-        for i in range(0, len(jobs), per_message)
-    ]
+        groups.setdefault((job.queue, job.name), []).append(job)
+    messages: list[list[Claimed]] = []
+    for (_, name), jobs in groups.items():
+        n = max(1, per_message.get(name, 1))
+        messages += [jobs[i : i + n] for i in range(0, len(jobs), n)]
+    return messages
 
 
-def jobs_per_message(claimed: int, maximum: int, consumers: int) -> int:
-    """How many jobs each message of a claim carries: the claim spread over the consumers
-    (one message each, so none sits idle while another holds a queue of jobs), at most
-    ``maximum``; one job a message when there are no more jobs than consumers.
+def jobs_per_message(
+    claimed: int, maximum: int, consumers: int, run_seconds: float | None = None
+) -> int:
+    """How many jobs of one name each message of a claim carries.
 
-    Each message costs the broker, the worker's main process and Celery's events about as
-    much as a no-op job, so several jobs a message is what lets harvest outrun plain Celery;
-    at 200 single enqueues/s, one job a message saturated a worker's main process."""
-    if claimed <= consumers:
+    Several jobs a message is what lets harvest outrun plain Celery: each message costs the
+    broker, the worker's main process and Celery's events about as much as a no-op job. But a
+    message's jobs run one after another in one process, so only short jobs share: as many as
+    fit in ``MESSAGE_SECONDS`` of their recent median run time (unknown: one a message), the
+    claim spread over the consumers (one message each at least), at most ``maximum``."""
+    if claimed <= consumers or run_seconds is None:
         return 1
-    return max(1, min(maximum, -(-claimed // consumers)))
+    by_time = int(MESSAGE_SECONDS / max(run_seconds, 1e-4))
+    return max(1, min(maximum, -(-claimed // consumers), by_time))
 
 
 class Broker:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -77,14 +79,44 @@ def dispatch(app: Harvest) -> DispatchReport:
                 time.sleep(LINGER_POLL)
                 continue
             linger_until = 0.0
-            per = jobs_per_message(
-                len(claimed), settings.max_jobs_per_message, settings.worker_concurrency
-            )
-            batches = chunk(claimed, per)
+            counts = Counter(job.name for job in claimed)
+            runs = _RUN_TIMES.get(app, conn, counts)
+            sizes = {
+                name: jobs_per_message(
+                    n, settings.max_jobs_per_message, settings.worker_concurrency, runs.get(name)
+                )
+                for name, n in counts.items()
+            }
+            batches = chunk(claimed, sizes)
             app.broker.publish_jobs(batches)
             claimed_total += len(claimed)
             messages += len(batches)
     return DispatchReport(claimed_total, messages, rounds)
+
+
+class _RunTimes:
+    """Recent median run time of each job name (it decides how many jobs share a message:
+    only short ones do), read at most every ``REFRESH`` seconds per database, or every
+    ``RETRY`` seconds while a claimed name has none yet (a fresh start, a new job)."""
+
+    REFRESH = 2.0
+    RETRY = 0.25
+
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[float, dict[str, float]]] = {}
+
+    def get(self, app: Harvest, conn: Connection, names: Iterable[str]) -> dict[str, float]:
+        key = app.settings.database_url
+        now = time.monotonic()
+        read_at, runs = self._cache.get(key, (-1e9, {}))
+        age = now - read_at
+        if age >= self.REFRESH or (age >= self.RETRY and any(n not in runs for n in names)):
+            runs = store.recent_run_seconds(conn)
+            self._cache[key] = (now, runs)
+        return runs
+
+
+_RUN_TIMES = _RunTimes()
 
 
 def refill_at(settings: Settings) -> int:

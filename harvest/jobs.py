@@ -61,6 +61,7 @@ class Claimed:
     id: int
     token: uuid.UUID
     queue: str
+    name: str = ""
 
 
 @dataclass(frozen=True, slots=True)

@@ -192,7 +192,7 @@ def _claim_statement(*, budgeted: bool) -> TextClause:
     SET status = 'dispatched', lease_token = gen_random_uuid(), dispatched_at = now(),
         lease_expires_at = now() + make_interval(secs => :ttl)
     FROM chosen WHERE j.id = chosen.id
-    RETURNING j.id, j.lease_token, j.queue, j.priority, j.run_at, j.pool, chosen.aged
+    RETURNING j.id, j.lease_token, j.queue, j.name, j.priority, j.run_at, j.pool, chosen.aged
     """
     aged = """
     aged AS (
@@ -316,7 +316,29 @@ def claim_due(
     rows = _fetch_raw(conn, _CLAIMS[bool(budgets)], params)
     aged = sorted((r for r in rows if r.aged), key=lambda r: (r.run_at, r.id))
     fresh = sorted((r for r in rows if not r.aged), key=lambda r: (-r.priority, r.run_at, r.id))
-    return [Claimed(id=r.id, token=r.lease_token, queue=r.queue) for r in aged + fresh]
+    return [Claimed(id=r.id, token=r.lease_token, queue=r.queue, name=r.name) for r in aged + fresh]
+
+
+_RECENT_RUN_SECONDS = text(
+    """
+    SELECT name,
+           percentile_cont(0.5) WITHIN GROUP (
+               ORDER BY extract(epoch FROM finished_at - started_at)) AS seconds
+    FROM (SELECT name, started_at, finished_at FROM harvest_jobs
+          WHERE status IN ('succeeded', 'failed', 'cancelled')
+          ORDER BY finished_at DESC
+          LIMIT :sample) AS recent
+    WHERE started_at IS NOT NULL
+    GROUP BY name
+    """
+)
+
+
+def recent_run_seconds(conn: Connection, *, sample: int = 500) -> dict[str, float]:
+    """Median run time (start to finish, database clock) of each job name among the last
+    ``sample`` jobs to finish (index ``harvest_jobs_finished_idx``, read backwards)."""
+    rows = conn.execute(_RECENT_RUN_SECONDS, {"sample": sample})
+    return {r.name: float(r.seconds) for r in rows}
 
 
 # --- execution ------------------------------------------------------------------------------

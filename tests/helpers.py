@@ -41,9 +41,11 @@ class RecordingBroker(Broker):
     def __init__(self, settings: Settings) -> None:
         super().__init__(settings)
         self.published: list[int] = []
+        self.messages: list[list[int]] = []
 
     def publish_jobs(self, messages: Sequence[Sequence[Claimed]]) -> None:
         self.published += [job.id for message in messages for job in message]
+        self.messages += [[job.id for job in message] for message in messages]
 
     def nudge_dispatch(self) -> None:
         pass

@@ -34,12 +34,37 @@ def test_task_events_follow_the_setting() -> None:
     assert celery_config(Settings(task_events=False))["worker_send_task_events"] is False
 
 
-def test_a_claim_is_spread_over_the_consumers_in_messages_of_at_most_the_maximum() -> None:
+def test_short_jobs_share_messages_spread_over_the_consumers() -> None:
     from harvest.broker import jobs_per_message
 
-    assert jobs_per_message(1, 16, 2) == 1
-    assert jobs_per_message(2, 16, 2) == 1  # one each
-    assert jobs_per_message(4, 16, 2) == 2
-    assert jobs_per_message(5, 16, 2) == 3  # messages of 3 and 2
-    assert jobs_per_message(100, 16, 2) == 16
-    assert jobs_per_message(100, 16, 50) == 2
+    fast = 0.001  # a 1 ms job: up to 50 fit in a message's 50 ms
+    assert jobs_per_message(1, 16, 2, fast) == 1
+    assert jobs_per_message(2, 16, 2, fast) == 1  # one each
+    assert jobs_per_message(4, 16, 2, fast) == 2
+    assert jobs_per_message(5, 16, 2, fast) == 3  # messages of 3 and 2
+    assert jobs_per_message(100, 16, 2, fast) == 16
+    assert jobs_per_message(100, 16, 50, fast) == 2
+    assert jobs_per_message(100, 16, 2, 0.01) == 5  # 10 ms jobs: 5 make 50 ms
+
+
+def test_long_or_unknown_jobs_travel_one_a_message() -> None:
+    """A message's jobs run one after another in one process: long jobs must not queue
+    behind each other while another process idles (chaos F3: 8 s jobs, 4 processes)."""
+    from harvest.broker import jobs_per_message
+
+    assert jobs_per_message(3, 16, 2, 8.0) == 1
+    assert jobs_per_message(1000, 16, 2, 0.2) == 1
+    assert jobs_per_message(1000, 16, 2, None) == 1  # nothing finished yet: no run time
+
+
+def test_chunk_groups_by_queue_and_name() -> None:
+    import uuid
+
+    from harvest.broker import chunk
+    from harvest.jobs import Claimed
+
+    jobs = [Claimed(i, uuid.uuid4(), "execution", "a" if i % 2 else "b") for i in range(10)]
+    messages = chunk(jobs, {"a": 5})
+    assert sorted(len(m) for m in messages) == [1, 1, 1, 1, 1, 5]
+    assert all(len({j.name for j in m}) == 1 for m in messages)
+    assert sorted(j.id for m in messages for j in m) == list(range(10))
