@@ -252,16 +252,14 @@ def _psycopg_sql(clause: TextClause) -> str:
     return re.sub(r"(?<![:\w]):(\w+)", r"%(\1)s", clause.text.replace("%", "%%"))
 
 
-_RAW_SQL: dict[int, str] = {}
+_CLAIMS_SQL = {budgeted: _psycopg_sql(clause) for budgeted, clause in _CLAIMS.items()}
 
 
-def _fetch_raw(conn: Connection, clause: TextClause, params: Mapping[str, Any]) -> list[Any]:
-    """Run a hot statement on the driver connection under ``conn`` (the same connection and
-    transaction), prepared server-side: the claim runs hundreds of times a second, and
-    SQLAlchemy's per-statement work was a third of its cost at small batches."""
-    sql = _RAW_SQL.get(id(clause))
-    if sql is None:
-        sql = _RAW_SQL[id(clause)] = _psycopg_sql(clause)
+def _fetch_raw(conn: Connection, sql: str, params: Mapping[str, Any]) -> list[Any]:
+    """Run a hot statement (psycopg's parameter style) on the driver connection under
+    ``conn`` (the same connection and transaction), prepared server-side: the claim runs
+    hundreds of times a second, and SQLAlchemy's per-statement work was a third of its cost
+    at small batches."""
     if not conn.in_transaction():
         conn.begin()  # what conn.execute would do (autobegin), so the caller's commit counts
     raw = conn.connection.driver_connection
@@ -313,7 +311,7 @@ def claim_due(
             "pools": list(budgets),
             "budgets": [max(0, n) for n in budgets.values()],
         }
-    rows = _fetch_raw(conn, _CLAIMS[bool(budgets)], params)
+    rows = _fetch_raw(conn, _CLAIMS_SQL[bool(budgets)], params)
     aged = sorted((r for r in rows if r.aged), key=lambda r: (r.run_at, r.id))
     fresh = sorted((r for r in rows if not r.aged), key=lambda r: (-r.priority, r.run_at, r.id))
     return [Claimed(id=r.id, token=r.lease_token, queue=r.queue, name=r.name) for r in aged + fresh]

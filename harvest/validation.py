@@ -90,9 +90,8 @@ def _params_of(func: Callable[..., Any]) -> _Params:
     """A handler's parameters, worked out once (bulk enqueue checks every payload)."""
     signature = inspect.signature(func)
     P = inspect.Parameter
-    everything: list[inspect.Parameter | None] = [*signature.parameters.values()]
-    first, *rest = everything or [None]
-    params = [p for p in rest if p is not None]
+    every = list(signature.parameters.values())
+    first, params = (every[0], every[1:]) if every else (None, [])
     kinds = {p.kind for p in params}
     keyword = (P.POSITIONAL_OR_KEYWORD, P.KEYWORD_ONLY)
     simple = (

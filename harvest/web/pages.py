@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any
 from urllib.parse import parse_qs, urlencode
 
 from fastapi import APIRouter, Query, Request
@@ -296,26 +296,16 @@ def keys_page(request: Request) -> HTMLResponse:
     return render(request, "keys.html", pools=data.key_pools(_app(request)))
 
 
-class _SetEnabled(Protocol):
-    def __call__(self, app: Harvest, item_id: int, /, *, enabled: bool) -> object: ...
-
-
-def _set_enabled(
-    request: Request, set_enabled: _SetEnabled, item_id: int, page: str, done: str, *, enabled: bool
-) -> RedirectResponse:
-    """Enable or disable one key or schedule, then back to its ``page`` saying ``done``."""
-    set_enabled(_app(request), item_id, enabled=enabled)
-    return back(page, done=done)
-
-
 @router.post("/keys/{key_id}/disable")
 def key_disable(request: Request, key_id: Id) -> RedirectResponse:
-    return _set_enabled(request, data.set_key_enabled, key_id, "/keys", "disabled", enabled=False)
+    data.set_key_enabled(_app(request), key_id, enabled=False)
+    return back("/keys", done="disabled")
 
 
 @router.post("/keys/{key_id}/enable")
 def key_enable(request: Request, key_id: Id) -> RedirectResponse:
-    return _set_enabled(request, data.set_key_enabled, key_id, "/keys", "enabled", enabled=True)
+    data.set_key_enabled(_app(request), key_id, enabled=True)
+    return back("/keys", done="enabled")
 
 
 @router.get("/schedules", response_class=HTMLResponse)
@@ -325,16 +315,14 @@ def schedules_page(request: Request) -> HTMLResponse:
 
 @router.post("/schedules/{schedule_id}/pause")
 def schedule_pause(request: Request, schedule_id: Id) -> RedirectResponse:
-    return _set_enabled(
-        request, data.set_schedule_enabled, schedule_id, "/schedules", "paused", enabled=False
-    )
+    data.set_schedule_enabled(_app(request), schedule_id, enabled=False)
+    return back("/schedules", done="paused")
 
 
 @router.post("/schedules/{schedule_id}/resume")
 def schedule_resume(request: Request, schedule_id: Id) -> RedirectResponse:
-    return _set_enabled(
-        request, data.set_schedule_enabled, schedule_id, "/schedules", "resumed", enabled=True
-    )
+    data.set_schedule_enabled(_app(request), schedule_id, enabled=True)
+    return back("/schedules", done="resumed")
 
 
 @router.get("/batches", response_class=HTMLResponse)

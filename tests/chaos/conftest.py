@@ -315,6 +315,14 @@ class Figures:
     stale: int  # executions whose lease was taken back (their effect refused)
     double_claims: int  # (job, attempt) pairs executed more than once: a double start
 
+    def row(self) -> dict[str, int]:
+        """The table's per-case counts, as :func:`record` takes them."""
+        return {
+            "lost": self.lost,
+            "duplicate_effects": self.duplicate_effects,
+            "duplicate_executions": self.duplicate_executions,
+        }
+
     def summary(self) -> str:
         spread = ", ".join(f"{n:,} jobs ran {k}x" for k, n in sorted(self.per_job.items()))
         return f"{spread}; stale effects refused {self.stale}"

@@ -236,9 +236,7 @@ def test_f11_one_host_cut_off_for_twenty_seconds(
         "a host cut off 20 s, healed",
         request,
         jobs=len(ids),
-        lost=figures.lost,
-        duplicate_effects=figures.duplicate_effects,
-        duplicate_executions=figures.duplicate_executions,
+        **figures.row(),
         worst_recovery=max(rescued_in_cut, default=None),
         overlaps=world.overlaps(),
         notes=(

@@ -89,9 +89,7 @@ def test_f1_sigkill_children_and_main_processes_under_load(
         "SIGKILL children and main workers",
         request,
         jobs=len(ids),
-        lost=figures.lost,
-        duplicate_effects=figures.duplicate_effects,
-        duplicate_executions=figures.duplicate_executions,
+        **figures.row(),
         worst_recovery=max(rescues, default=None),
         overlaps=world.overlaps(),
         notes=(
@@ -151,9 +149,7 @@ def test_f2_sigterm_mid_job_finishes_or_hands_back(
         "SIGTERM (warm shutdown) mid-job",
         request,
         jobs=len(ids),
-        lost=figures.lost,
-        duplicate_effects=figures.duplicate_effects,
-        duplicate_executions=figures.duplicate_executions,
+        **figures.row(),
         worst_recovery=stopped_in,
         overlaps=world.overlaps(),
         notes=(
@@ -206,9 +202,7 @@ def test_f3_redelivery_past_visibility_timeout_does_nothing(
         "job outlives the visibility timeout",
         request,
         jobs=len(ids),
-        lost=figures.lost,
-        duplicate_effects=figures.duplicate_effects,
-        duplicate_executions=figures.duplicate_executions,
+        **figures.row(),
         overlaps=world.overlaps(),
         notes=(
             f"visibility timeout 2 s, jobs 8 s: {suppressed} copies redelivered while running, "
@@ -284,9 +278,7 @@ def test_f7_paused_worker_resumes_with_a_stale_lease(
         "worker paused past its lease, resumed",
         request,
         jobs=1,
-        lost=figures.lost,
-        duplicate_effects=figures.duplicate_effects,
-        duplicate_executions=figures.duplicate_executions,
+        **figures.row(),
         worst_recovery=second_start - paused_at,
         overlaps=world.overlaps(),
         notes=(

@@ -68,9 +68,7 @@ def test_f4_redis_restart_mid_run(
         "Redis restarted mid-run",
         request,
         jobs=len(ids),
-        lost=figures.lost,
-        duplicate_effects=figures.duplicate_effects,
-        duplicate_executions=figures.duplicate_executions,
+        **figures.row(),
         worst_recovery=first - up_at,
         overlaps=world.overlaps(),
         notes=(
@@ -139,9 +137,7 @@ def test_f5_backends_terminated_repeatedly(
         "pg_terminate_backend on every harvest connection",
         request,
         jobs=len(ids),
-        lost=figures.lost,
-        duplicate_effects=figures.duplicate_effects,
-        duplicate_executions=figures.duplicate_executions,
+        **figures.row(),
         worst_recovery=max(gaps, default=None),
         overlaps=world.overlaps(),
         notes=(
@@ -222,9 +218,7 @@ def test_f6_postgres_stopped_for_ten_seconds(
         "Postgres stopped 10 s, started",
         request,
         jobs=len(ids),
-        lost=figures.lost,
-        duplicate_effects=figures.duplicate_effects,
-        duplicate_executions=figures.duplicate_executions,
+        **figures.row(),
         worst_recovery=recovery,
         overlaps=world.overlaps(),
         notes=(
@@ -300,9 +294,7 @@ def test_f9_idle_in_transaction_is_cut(
         "session idle in transaction during load",
         request,
         jobs=len(ids),
-        lost=figures.lost,
-        duplicate_effects=figures.duplicate_effects,
-        duplicate_executions=figures.duplicate_executions,
+        **figures.row(),
         worst_recovery=cut_after,
         overlaps=world.overlaps(),
         notes=(
@@ -390,9 +382,7 @@ def test_f10_connections_stay_within_the_documented_budget(
         "peak Postgres connections, every role busy",
         request,
         jobs=len(ids),
-        lost=figures.lost,
-        duplicate_effects=figures.duplicate_effects,
-        duplicate_executions=figures.duplicate_executions,
+        **figures.row(),
         overlaps=world.overlaps(),
         notes=(
             f"peak {peak_total} harvest connections, budget {budget} = (HARVEST_DB_POOL_SIZE "
