@@ -8,5 +8,7 @@ number of its own, and stops every process it started, on failure and on Ctrl-C 
 
 Modules: ``core`` (results, targets, statistics), ``env`` (services, databases, processes),
 ``jobs`` (the harvest jobs the workers run), one module per scenario, ``baselines/`` (the plain
-Celery app and the procrastinate / PgQueuer workers), ``report`` (table and JSON).
+Celery app and the procrastinate / PgQueuer workers; for ``goodput``, the asyncio script and
+Celery on gevent), ``report`` (table and JSON). ``goodput`` runs against the loopback AI-API
+service of ``harvest.loopback``; its subjects are in ``goodput_subjects``.
 """

@@ -1,9 +1,10 @@
 """``python -m bench``: run the scenarios, show progress, print and write the results.
 
-python -m bench                    # everything (~20 minutes on 2 cores)
-python -m bench --quick            # small sizes, 1 repetition (~2 minutes)
+python -m bench                    # everything (~50 minutes on 2 cores, goodput ~30 of them)
+python -m bench --quick            # small sizes, 1 repetition (~8 minutes)
 python -m bench --only e2e,claim   # some scenarios
 python -m bench --knob HARVEST_INFLIGHT_WINDOW=2000   # tune harvest as a user would
+python -m bench --only goodput --goodput-cases huge --goodput-subjects async,asyncio
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from bench import claim, e2e, enqueue, keypool, latency, memory, report, scale
+from bench import claim, e2e, enqueue, goodput, growth, keypool, latency, memory, report, scale
 from bench.core import Row
 from bench.env import (
     DEFAULT_ADMIN_URL,
@@ -39,6 +40,7 @@ from bench.env import (
     Reaper,
     services,
 )
+from bench.goodput_subjects import SUBJECTS as GOODPUT_SUBJECTS
 
 
 @dataclass(frozen=True)
@@ -54,9 +56,11 @@ SCENARIOS = (
     Scenario("enqueue", "enqueue: single and bulk", enqueue.run),
     Scenario("claim", "dispatch claim from 2 processes", claim.run),
     Scenario("latency", "enqueue-to-start", latency.run),
-    Scenario("scale", "claim latency as the table grows", scale.run),
+    Scenario("growth", "claim latency as the table grows", growth.run),
+    Scenario("scale", "per-job costs; claim and retention on a big history", scale.run),
     Scenario("memory", "execution worker RSS", memory.run),
     Scenario("keypool", "key pool lease+release", keypool.run),
+    Scenario("goodput", "jobs/s through rate-limited keys", goodput.run),
 )
 
 
@@ -66,6 +70,10 @@ class Config:
     reps: int
     jobs: int
     harvest_knobs: dict[str, str] = field(default_factory=dict)
+    goodput_cases: tuple[str, ...] = ()  # () = every case
+    goodput_subjects: tuple[str, ...] = ()  # () = every subject
+    goodput_async_pool: str = "prefork"
+    scale_history: int = 0  # 0: 10,000,000 (200,000 with --quick)
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -84,6 +92,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         metavar="HARVEST_X=VALUE",
         help="a setting for harvest's workers (repeatable)",
     )
+    cases = ", ".join(c.name for c in goodput.FULL)
+    parser.add_argument("--goodput-cases", default="", help=f"goodput cases of: {cases}")
+    parser.add_argument(
+        "--goodput-subjects", default="", help=f"goodput subjects of: {', '.join(GOODPUT_SUBJECTS)}"
+    )
+    parser.add_argument(
+        "--goodput-async",
+        choices=("prefork", "solo"),
+        default="prefork",
+        help="pool of harvest's async subject: prefork -c 2 (default) or solo",
+    )
+    parser.add_argument(
+        "--history",
+        type=int,
+        default=0,
+        help="finished jobs in the scale scenario's history (default 10,000,000; 200,000 quick)",
+    )
     parser.add_argument("--out", type=Path, default=RESULTS / "latest.json")
     parser.add_argument("--admin-url", default=DEFAULT_ADMIN_URL, help="Postgres admin database")
     parser.add_argument("--redis-url", default=DEFAULT_REDIS_BASE, help="Redis, no db number")
@@ -97,7 +122,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         if "=" not in knob or not knob.startswith("HARVEST_"):
             parser.error(f"--knob takes HARVEST_NAME=VALUE, got {knob!r}")
     args.chosen = chosen
+    args.goodput_cases = _pick(parser, args.goodput_cases, [c.name for c in goodput.FULL])
+    args.goodput_subjects = _pick(parser, args.goodput_subjects, list(GOODPUT_SUBJECTS))
     return args
+
+
+def _pick(parser: argparse.ArgumentParser, text: str, known: list[str]) -> tuple[str, ...]:
+    picked = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in picked if s not in known]
+    if unknown:
+        parser.error(f"unknown {', '.join(unknown)}: choose from {', '.join(known)}")
+    return picked
 
 
 @contextlib.contextmanager
@@ -119,6 +154,10 @@ def main(argv: list[str] | None = None) -> int:
         reps=max(1, args.reps or (1 if args.quick else 3)),
         jobs=max(100, args.jobs or (1_000 if args.quick else 20_000)),
         harvest_knobs=dict(k.split("=", 1) for k in args.knob),
+        goodput_cases=args.goodput_cases,
+        goodput_subjects=args.goodput_subjects,
+        goodput_async_pool=args.goodput_async,
+        scale_history=max(0, args.history),
     )
     chosen = [s for s in SCENARIOS if not args.chosen or s.name in args.chosen]
     console = Console()
@@ -159,6 +198,10 @@ def main(argv: list[str] | None = None) -> int:
     report.write_json(args.out, info, rows, done)
     title = f"harvest benchmarks ({'quick' if cfg.quick else 'full'}, {cfg.reps} rep(s))"
     console.print(report.table(rows, errors, title))
+    if any("goodput" in r.extra for r in rows):
+        console.print(report.goodput_table(rows))
+    if any("scale_cost" in r.extra for r in rows):
+        console.print(report.scale_table(rows))
     console.print(f"results: {args.out}   logs: {log_root}", highlight=False)
     if interrupted:
         console.print("[yellow]interrupted: partial results[/]")

@@ -293,6 +293,28 @@ class Ctx:
         group.wait_ready(ready_timeout)
         return group
 
+    def harvest_workers_with(
+        self,
+        env: Mapping[str, str],
+        execution: Sequence[str],
+        *,
+        tag: str = "harvest",
+        ready_timeout: float = 90.0,
+    ) -> ProcessGroup:
+        """harvest's worker set with the execution worker's pool options given
+        (``["--pool", "threads", "-c", "64"]``): a schedule worker, that execution worker and
+        beat, in the environment ``env`` (``HARVEST_*`` as a user sets them), and ready."""
+        group = ProcessGroup(env, self.log_dir / f"{tag}-{secrets.token_hex(2)}")
+        self._stop_later(self.reaper.register(group.stop))
+        group.worker("schedule", concurrency=1)
+        node = f"execution-{tag}-{secrets.token_hex(2)}@%h"
+        args = ["worker", "-Q", "execution", "-n", node, "-l", "INFO", "--without-gossip",
+                "--without-mingle", *execution]  # fmt: skip
+        group.start("worker-execution", args)
+        group.beat()
+        group.wait_ready(ready_timeout)
+        return group
+
     def spawn(
         self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None
     ) -> subprocess.Popen[bytes]:

@@ -168,3 +168,49 @@ def write_json(
     tmp = path.with_suffix(".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str) + "\n")
     tmp.replace(path)
+
+
+def goodput_table(rows: list[Row]) -> Table:
+    """The goodput scenario's figures per subject (from the loopback service's records)."""
+    out = Table(title="goodput: per subject (the service's own counts)", header_style="bold")
+    heads = ("case: subject", "jobs/s", "x limit", "x asyncio", "429s", "peak/C", "lost", "dup",
+             "failed", "unfinished", "RSS MiB", "s")  # fmt: skip
+    for name in heads:
+        out.add_column(name, justify="left" if name == "case: subject" else "right")
+    for row in rows:
+        g = row.extra.get("goodput")
+        if g is None:
+            continue
+        judged, _ = judge_row(row, rows)
+        ratios = {j.label: j.ratio for j in judged}
+        of_limit = (g["steady"] or 0) / g["limit"] if g["limit"] else None
+        vs_script = ratios.get("vs asyncio script")
+        over = g["peak_per_key"] > g["concurrency"]
+        out.add_row(
+            row.subject, _num(g["steady"]), _num(of_limit), _num(vs_script),
+            f"{g['http_429']:,}", Text(f"{g['peak_per_key']}/{g['concurrency']}",
+                                       "red" if over else ""),
+            "—" if g["lost"] is None else f"{g['lost']:,}", f"{g['duplicated']:,}",
+            f"{g['failed']:,}", f"{g['unfinished']:,}", _num(g["rss_mib"]), _num(g["seconds"]),
+        )  # fmt: skip
+    return out
+
+
+def scale_table(rows: list[Row]) -> Table:
+    """The scale scenario's per-job costs of each role (see bench/scale.py)."""
+    out = Table(title="scale: cost per job of each role", header_style="bold")
+    heads = ("role", "jobs", "xacts", "rows ins/upd/del", "WAL B", "PG CPU µs", "Redis cmds",
+             "peak conns", "s")  # fmt: skip
+    for name in heads:
+        out.add_column(name, justify="left" if name == "role" else "right")
+    for row in rows:
+        c = row.extra.get("scale_cost")
+        if c is None:
+            continue
+        out.add_row(
+            c["role"], f"{c['jobs']:,}", _num(c["xacts"]),
+            f"{c['inserted']:.2f} / {c['updated']:.2f} / {c['deleted']:.2f}",
+            _num(c["wal_bytes"]), _num(c["postgres_cpu_us"]), _num(c["redis"]),
+            f"{c['peak_connections']} ({c['peak_active_connections']} active)", _num(c["seconds"]),
+        )  # fmt: skip
+    return out

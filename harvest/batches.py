@@ -82,6 +82,10 @@ class Batch:
 def check_callback(spec: JobSpec, payload: Mapping[str, Any] | None, *, limit: int) -> str:
     """The callback's extra payload as JSON, after checking that the handler takes the counts
     (``batch_id, succeeded, failed, cancelled``) and the extra payload together."""
+    if payload is not None and not isinstance(payload, Mapping):
+        raise InvalidOption(
+            "on_complete_payload", f"must be a JSON object, got {type(payload).__name__}"
+        )
     extra = dict(payload or {})
     clash = sorted(set(extra) & set(CALLBACK_ARGUMENTS))
     if clash:

@@ -81,7 +81,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
 
 
 def make_celery(settings: Settings, name: str = "harvest") -> Celery:
-    app = Celery(name)
+    """The app harvest publishes with. Never made Celery's current app: in a user's process,
+    their ``current_app`` and ``shared_task`` stay theirs."""
+    app = Celery(name, set_as_current=False)
     app.conf.update(celery_config(settings))
     return app
 
@@ -103,7 +105,12 @@ def chunk(claimed: Sequence[Claimed], per_message: Mapping[str, int]) -> list[li
 
 
 def jobs_per_message(
-    claimed: int, maximum: int, consumers: int, run_seconds: float | None = None
+    claimed: int,
+    maximum: int,
+    consumers: int,
+    run_seconds: float | None = None,
+    *,
+    concurrent: bool = False,
 ) -> int:
     """How many jobs of one name each message of a claim carries.
 
@@ -111,11 +118,24 @@ def jobs_per_message(
     broker, the worker's main process and Celery's events about as much as a no-op job. But a
     message's jobs run one after another in one process, so only short jobs share: as many as
     fit in ``MESSAGE_SECONDS`` of their recent median run time (unknown: one a message), the
-    claim spread over the consumers (one message each at least), at most ``maximum``."""
+    claim spread over the consumers (one message each at least), at most ``maximum``.
+
+    ``concurrent``: the jobs run at once on the worker's event loop (``async def`` handlers),
+    so none waits for a sibling: the claim is spread over the consumers whatever their run
+    time."""
+    if concurrent:
+        return max(1, min(maximum, -(-claimed // max(1, consumers))))
     if claimed <= consumers or run_seconds is None:
         return 1
     by_time = int(MESSAGE_SECONDS / max(run_seconds, 1e-4))
     return max(1, min(maximum, -(-claimed // consumers), by_time))
+
+
+def argsrepr(jobs: Sequence[Claimed]) -> str:
+    """What Celery's tools (``celery inspect active``, Flower) show for an execution message:
+    its jobs as ``name#id``, never their lease tokens."""
+    text = "[" + ", ".join(f"{job.name}#{job.id}" for job in jobs) + "]"
+    return text if len(text) <= 1024 else text[:1020] + "...]"
 
 
 class Broker:
@@ -129,9 +149,13 @@ class Broker:
     def publish_jobs(self, messages: Sequence[Sequence[Claimed]]) -> None:
         with self.celery.producer_or_acquire() as producer:
             for jobs in messages:
-                body = [[job.id, str(job.token)] for job in jobs]
+                body = [[job.id, str(job.token), job.name] for job in jobs]
                 self.celery.send_task(
-                    EXECUTE_TASK, args=[body], queue=jobs[0].queue, producer=producer
+                    EXECUTE_TASK,
+                    args=[body],
+                    queue=jobs[0].queue,
+                    producer=producer,
+                    argsrepr=argsrepr(jobs),
                 )
 
     def nudge_dispatch(self) -> None:

@@ -1,38 +1,31 @@
 """``harvest schedules ls|add|pause|resume|rm`` and ``harvest jobs retry ID | --failed [--name]``.
 
 Registered by ``harvest/cli.py`` (``cli.add_typer(schedules_cli, name="schedules")`` and
-``jobs_cli.command("retry")(retry_command)``). Printing follows cli.py: Rich tables on stdout;
-a user mistake is a :class:`~harvest.errors.HarvestError` that ``harvest.cli.main`` prints as
-one line on stderr with a non-zero exit.
+``jobs_cli.command("retry")(retry_command)``). Printing as in every cli_* module (cli_common's
+``out``): Rich tables on stdout; a user mistake is a :class:`~harvest.errors.HarvestError` that
+``harvest.cli.main`` prints as one line on stderr with a non-zero exit.
 """
 
 from __future__ import annotations
 
 import json
 from datetime import datetime
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
-from rich.console import Console
-from rich.table import Table
 
-from harvest.app import Harvest
-from harvest.errors import InvalidOption, InvalidPayload
-from harvest.schedules import Misfire, Schedule
-from harvest.settings import load_settings
+from harvest.cli_common import _app, out
+from harvest.cli_tables import Column, fit, when
+from harvest.errors import InvalidOption
+from harvest.validation import payload_from_json
 
-out = Console(highlight=False)
+if TYPE_CHECKING:  # imported where used: `harvest --help` stays quick
+    from harvest.schedules import Schedule
 
 schedules_cli = typer.Typer(
     help="Recurring schedules, kept in Postgres (one job per fire time, however many beats run).",
     no_args_is_help=True,
 )
-
-
-def _app() -> Harvest:
-    app = Harvest(load_settings())
-    app.load_imports()
-    return app
 
 
 def _fmt_time(value: datetime | None) -> str:
@@ -46,6 +39,8 @@ def _when(s: Schedule) -> str:
 
 
 def _misfire(s: Schedule) -> str:
+    from harvest.schedules import Misfire
+
     return f"catch_up {s.catch_up}" if s.misfire is Misfire.CATCH_UP else str(s.misfire)
 
 
@@ -60,17 +55,20 @@ def schedules_ls() -> None:
     if not rows:
         out.print("no schedules")
         return
-    table = Table(
-        "name", "job", "when", "misfire", "enabled", "next run", "last fired", "payload",
-        title="schedules",
+    columns = (
+        Column("name"), Column("job"), Column("when"), Column("misfire", 100),
+        Column("enabled"), Column("next run"), Column("last fired", 100), Column("payload", 120),
     )  # fmt: skip
-    for s in rows:
-        table.add_row(
-            s.name, s.job, _when(s), _misfire(s), "yes" if s.enabled else "paused",
-            _fmt_time(s.next_run_at) if s.enabled else "-", _fmt_time(s.last_fired_at),
-            json.dumps(s.payload)[:60],
-        )  # fmt: skip
-    out.print(table)
+    cells = [_row(s, out.width) for s in rows]
+    out.print(fit(columns, cells, width=out.width, title="schedules"))
+
+
+def _row(s: Schedule, width: int) -> tuple[str, ...]:
+    return (
+        s.name, s.job, _when(s), _misfire(s), "yes" if s.enabled else "paused",
+        when(s.next_run_at, width) if s.enabled else "-", when(s.last_fired_at, width),
+        json.dumps(s.payload)[:60],
+    )  # fmt: skip
 
 
 @schedules_cli.command("add")
@@ -94,12 +92,7 @@ def schedules_add(
     paused: Annotated[bool, typer.Option("--paused", help="Create it paused.")] = False,
 ) -> None:
     """Add a schedule (an existing one of that name is left unchanged)."""
-    try:
-        data = json.loads(payload)
-    except json.JSONDecodeError as exc:
-        raise InvalidPayload(
-            f"--payload is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-        ) from None
+    data = payload_from_json(payload)
     app = _app()
     try:
         s = app.schedule(

@@ -12,9 +12,6 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from harvest.settings import load_settings
-from harvest.web import auth
-
 err = Console(stderr=True, highlight=False, soft_wrap=True)
 
 
@@ -33,6 +30,24 @@ def web_command(
             "--insecure-no-auth", help="Serve without authentication (loopback only; for a laptop)."
         ),
     ] = False,
+    request_timeout: Annotated[
+        float,
+        typer.Option(
+            min=0.5,
+            max=3600,
+            help="Seconds a client has to send a request's headers and body; slower ones "
+            "are dropped.",
+        ),
+    ] = 10.0,
+    max_connections: Annotated[
+        int,
+        typer.Option(
+            min=16,
+            max=1_000_000,
+            help="Open connections at most (also bounded by the open-file limit); beyond it "
+            "the connection waiting longest on its client is dropped.",
+        ),
+    ] = 1000,
 ) -> None:
     """Serve the dashboard (pages and /api) until SIGTERM or Ctrl-C.
 
@@ -40,6 +55,8 @@ def web_command(
     page and API call; there is no default password)."""
     import uvicorn
 
+    from harvest.settings import load_settings
+    from harvest.web import auth, serve
     from harvest.web.app import create_app
 
     credentials = auth.credentials_from(auth.WebSettings())
@@ -50,4 +67,8 @@ def web_command(
     err.print(f"harvest web on http://{shown}:{port}/ ({who})", markup=False)
     if not auth.is_loopback(host):
         err.print("note: plain HTTP on a non-loopback address: put TLS in front", markup=False)
-    uvicorn.run(app, host=host, port=port, server_header=False, log_level="info")
+    config = serve.config(
+        app, host=host, port=port, request_timeout=request_timeout,
+        max_connections=max_connections, log_level="info",
+    )  # fmt: skip
+    uvicorn.Server(config).run()

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-from harvest.errors import KeyRejected, LeaseLost, RateLimited
+from harvest.errors import InvalidOption, KeyRejected, LeaseLost, RateLimited
 
 
 @dataclass(slots=True)
@@ -27,8 +27,12 @@ class JobContext:
     key: str | None = field(default=None, repr=False)  # the pool's secret, inside handlers only
     lease: Any = None  # the key lease, when the job declares a pool
     clients: Any = field(default=None, repr=False)  # the worker's ClientPool of HTTP clients
+    aclients: Any = field(default=None, repr=False)  # the event loop's AsyncClients (async jobs)
     _lease_check: Callable[[], bool] | None = field(default=None, repr=False)
+    _alease_check: Callable[[], Awaitable[bool]] | None = field(default=None, repr=False)
     _cancel: threading.Event = field(default_factory=threading.Event, repr=False)
+    _used: Callable[[int], None] | None = field(default=None, repr=False)
+    _observe: Callable[[Any], None] | None = field(default=None, repr=False)
 
     @property
     def cancelled(self) -> bool:
@@ -37,6 +41,12 @@ class JobContext:
     @property
     def last_attempt(self) -> bool:
         return self.attempt >= self.max_attempts
+
+    @property
+    def pool(self) -> str | None:
+        """The key pool that served this attempt (of a job with fallback pools, the first that
+        had a key free); None for a job without a pool."""
+        return getattr(self.lease, "pool", None)
 
     @contextmanager
     def client(self) -> Iterator[Any]:
@@ -47,6 +57,23 @@ class JobContext:
         self.check_lease()
         with self.clients.borrow(self.lease.key_id, self.key) as http:
             yield http
+
+    @asynccontextmanager
+    async def aclient(self) -> AsyncIterator[Any]:
+        """In an ``async def`` handler: an ``httpx.AsyncClient`` that sends the leased key as a
+        bearer token, shared by this worker's jobs on the same key (its connections are
+        kept alive across them). Checks the key lease before each use, as ``client()`` does."""
+        if self.lease is None or self.key is None or self.aclients is None:
+            raise RuntimeError("ctx.aclient() needs an async job declared with pool=...")
+        await self.acheck_lease()
+        yield self.aclients.get(self.lease.key_id, self.key)
+
+    async def acheck_lease(self) -> None:
+        """:meth:`check_lease` for async handlers (no I/O while the lease was renewed lately)."""
+        if self._alease_check is not None and not await self._alease_check():
+            raise LeaseLost(
+                "this attempt's lease was lost (paused or cut off): not calling with the key"
+            )
 
     def check_lease(self) -> None:
         """Raise LeaseLost unless this attempt still holds its job lease and its key lease.
@@ -60,10 +87,34 @@ class JobContext:
                 "this attempt's lease was lost (paused or cut off): not calling with the key"
             )
 
+    def used(self, *, tokens: int) -> None:
+        """Report the tokens this attempt's call used (e.g. the response's
+        ``usage.total_tokens``); called more than once, the figures add up. When the key is
+        released, the tokens reserved for the job's ``cost`` become this figure: more is
+        charged to the key's token budget, less is refunded. Without a report, the reservation
+        stands as used. In sync and ``async def`` handlers alike (no I/O)."""
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0:
+            raise InvalidOption("tokens", f"must be a whole number >= 0, got {tokens!r}")
+        if self._used is not None:
+            self._used(tokens)
+
+    def observe(self, response: Any) -> None:
+        """Show harvest the service's answer (an ``httpx.Response``, or any object with
+        ``headers``, or the headers themselves) so the key follows its rate-limit headers
+        (``x-ratelimit-remaining-requests`` / ``-reset-requests`` and ``-tokens``, or
+        Anthropic's ``anthropic-ratelimit-*``): until the announced reset the key is leased only
+        for what the service said is left. Call it on every answer, a 429 too (a 429 that the
+        headers explain does not lower the key's learned limits). No I/O; the last one counts."""
+        headers = getattr(response, "headers", response)
+        if not hasattr(headers, "items"):
+            raise InvalidOption("response", f"needs headers, got {type(response).__name__}")
+        if self._observe is not None:
+            self._observe(headers)
+
     def rate_limited(self, retry_after: float) -> NoReturn:
         """The service answered 429 (Retry-After: ``retry_after`` s): the key rests that long
         and the job retries on another key, without using up an attempt."""
-        raise RateLimited(retry_after, name=getattr(self.lease, "pool", None))
+        raise RateLimited(retry_after, name=self.pool)
 
     def key_rejected(self, reason: str = "the service rejected the API key") -> NoReturn:
         """The service refused the key (401/403): it is disabled and the job retries on

@@ -21,25 +21,41 @@ from harvest.settings import Settings
 T = TypeVar("T")
 
 
-def make_engine(settings: Settings, *, pool_size: int | None = None) -> Engine:
-    """An engine sized for one process (a prefork child holds a couple of connections).
-
-    Every connection gets the configured ``statement_timeout`` and
+def connect_options(settings: Settings) -> dict[str, Any]:
+    """What every harvest connection is opened with (SQLAlchemy's and the event loop's alike):
+    a connect timeout, and server-side ``statement_timeout`` and
     ``idle_in_transaction_session_timeout`` so no session can hold row locks forever.
-    """
+
+    Behind a transaction-mode pooler (``database_pooler="transaction"``) a connection carries
+    nothing that outlives a transaction: no startup ``options`` (PgBouncer refuses them), and no
+    server-side prepared statements (``prepare_threshold=None``; PgBouncer before 1.21 would
+    hand the next transaction a server that never saw them). The timeouts then come from the
+    role or database (``ALTER ROLE ... SET statement_timeout``, see the README)."""
+    if settings.pooled:
+        return {"application_name": "harvest", "connect_timeout": 5, "prepare_threshold": None}
     options = (
         f"-c statement_timeout={settings.statement_timeout_ms} "
         f"-c idle_in_transaction_session_timeout={settings.idle_in_transaction_timeout_ms} "
         "-c application_name=harvest"
     )
+    return {"options": options, "connect_timeout": 5}
+
+
+def make_engine(
+    settings: Settings, *, pool_size: int | None = None, pre_ping: bool = True
+) -> Engine:
+    """An engine sized for one process (a prefork child holds a couple of connections).
+
+    ``pre_ping=False`` (execution workers) skips the ``SELECT 1`` before each checkout; their
+    statements retry once on a fresh connection when the old one died instead."""
     return create_engine(
         settings.database_url,
         pool_size=pool_size or settings.db_pool_size,
         max_overflow=settings.db_max_overflow,
-        pool_pre_ping=True,
+        pool_pre_ping=pre_ping,
         pool_timeout=10,
         pool_recycle=1800,
-        connect_args={"options": options, "connect_timeout": 5},
+        connect_args=connect_options(settings),
     )
 
 
@@ -53,10 +69,13 @@ def translate_errors() -> Iterator[None]:
     try:
         yield
     except (OperationalError, InterfaceError) as exc:
-        detail = redact_text(str(exc.orig) if exc.orig is not None else str(exc))
-        raise ServiceUnavailable(
-            "Postgres", detail.splitlines()[0] if detail else "error"
-        ) from None
+        raise unavailable(exc) from None
+
+
+def unavailable(exc: OperationalError | InterfaceError) -> ServiceUnavailable:
+    """The one clear, redacted error for a "cannot reach Postgres" driver error."""
+    detail = redact_text(str(exc.orig) if exc.orig is not None else str(exc))
+    return ServiceUnavailable("Postgres", detail.splitlines()[0] if detail else "error")
 
 
 def get_or_create(

@@ -1,11 +1,13 @@
 """The demo: harvest's main job end to end on one machine.
 
 Brings services up (the embedded default when none are configured or answering), migrates,
-starts a local HTTP service on loopback that behaves like a rate-limited AI API (per-key
-concurrency and rate limits enforced by the service itself, ``429`` with ``Retry-After`` when a
-key goes over, and about 2 % of ``500`` answers), loads a pool of demo keys, starts a schedule
-worker, execution workers and beat, enqueues a few thousand "harvest a page" jobs that call the
-service with a leased key, waits for them, and stops everything it started. The CLI
+starts a local HTTP service on loopback that behaves like a rate-limited AI API
+(:mod:`harvest.loopback`: per-key concurrency and rate limits enforced by the service itself,
+``429`` with ``Retry-After`` when a key goes over, answers after hundreds of milliseconds to a
+couple of seconds, and about 2 % of ``500`` answers), loads a pool of demo keys, starts a
+schedule worker, an execution worker and beat, enqueues a few thousand "harvest a page" jobs
+(``async def`` handlers: each worker process keeps many calls in flight on its event loop),
+waits for them, and stops everything it started. The CLI
 (``harvest demo``) draws the progress bar and the summary; this module only does the work and
 reports.
 
@@ -17,22 +19,19 @@ end (nobody could decrypt them later).
 
 from __future__ import annotations
 
-import hashlib
-import json
+import contextlib
 import logging
 import math
-import random
+import os
 import secrets
-import threading
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import httpx
 import redis
 from cryptography.fernet import Fernet
 from pydantic import SecretStr
@@ -42,6 +41,7 @@ from sqlalchemy.orm import Session
 from harvest import dev, keystore, migrate, stats, store
 from harvest.app import Harvest
 from harvest.context import JobContext
+from harvest.loopback import LoopbackHandle, LoopKey, start_loopback
 from harvest.models import JobStatus
 from harvest.procs import ProcessGroup
 from harvest.redact import redact_url
@@ -55,8 +55,10 @@ log = logging.getLogger(__name__)
 JOB = "demo.harvest_page"
 POOL = "demo"
 ERROR_RATE = 0.02  # share of calls the service answers with HTTP 500
-LATENCY = (0.005, 0.02)  # seconds the service takes to answer a call
+LATENCY = 0.4  # median seconds the service takes to answer a call (lognormal, sigma 0.5)
+SIGMA = 0.5
 POLL = 0.5  # seconds between progress reports
+DATABASE = "harvest_demo"  # the demo's own database: never harvest's default one
 
 app = Harvest()
 
@@ -68,17 +70,16 @@ app = Harvest()
     retry=RetryPolicy(base=0.2, factor=2.0, max_delay=2.0),
     timeout=30,
 )
-def harvest_page(ctx: JobContext, url: str) -> dict[str, object]:
-    """Fetch a page from the (demo) API with the leased key. A 429 rests the key for its
-    Retry-After and retries on another key without using up an attempt; a 500 is retried
-    with backoff."""
-    with ctx.client() as http:
-        response = http.get(url)
+async def harvest_page(ctx: JobContext, url: str) -> dict[str, object]:
+    """Fetch a page from the (demo) API with the leased key, awaiting the answer (the worker
+    runs many of these at once). A 429 rests the key for its Retry-After and retries on another
+    key without using up an attempt; a 500 is retried with backoff."""
+    async with ctx.aclient() as http:
+        response = await http.post(url, json={"job": ctx.job_id, "attempt": ctx.attempt})
     if response.status_code == 429:
         ctx.rate_limited(retry_after(response.headers.get("Retry-After")))
     response.raise_for_status()
-    page = response.json()
-    return {"url": url, "bytes": page["bytes"]}
+    return {"url": url, "tokens": response.json()["usage"]["total_tokens"]}
 
 
 def retry_after(header: str | None) -> float:
@@ -118,17 +119,7 @@ KEYS = (
 )
 
 
-# --- the service: a rate-limited API on loopback ----------------------------------------------
-
-
-@dataclass
-class _KeyUse:
-    key: DemoKey
-    in_flight: int = 0
-    admitted: deque[float] = field(default_factory=deque)  # monotonic times, last period
-    ok: int = 0
-    http_429: int = 0
-    http_500: int = 0
+# --- the service: the loopback AI API, in its own process --------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,126 +136,63 @@ class KeyReport:
 
 
 class DemoApi:
-    """A local HTTP service that behaves like a rate-limited AI API.
-
-    Each key (a bearer token) may have ``api_concurrency`` calls in flight and ``api_rate``
-    calls per period; a call over either is answered ``429`` with ``Retry-After`` (whole
-    seconds) and does not count. About ``error_rate`` of admitted calls get a ``500``. Unknown
-    keys get ``401``. Keys are held as SHA-256 digests only.
-    """
+    """The demo's keys on :mod:`harvest.loopback` (a rate-limited AI API on loopback): each key
+    may have ``api_concurrency`` calls in flight and ``api_rate`` calls per period; beyond
+    either the call is answered ``429`` with ``Retry-After``. Answers come after a lognormal
+    time (median ``latency``); about ``error_rate`` of them are ``500``."""
 
     def __init__(
         self,
         keys: Mapping[str, DemoKey],
         *,
         error_rate: float = ERROR_RATE,
-        latency: tuple[float, float] = LATENCY,
+        latency: float = LATENCY,
     ) -> None:
         """
-        :param keys: secret -> the key it is (only digests of the secrets are kept).
-        :param error_rate: share of admitted calls answered with HTTP 500.
-        :param latency: (min, max) seconds an admitted call takes.
+        :param keys: secret -> the key it is (the secrets go to the service's process on its
+            standard input; nothing here prints them).
         """
-        self._use = {_digest(s): _KeyUse(k) for s, k in keys.items()}
+        self.keys = dict(keys)
         self.error_rate, self.latency = error_rate, latency
-        self._lock = threading.Lock()
-        self._rng = random.Random()
-        self._httpd: ThreadingHTTPServer | None = None
-
-    # --- serving ----------------------------------------------------------------------------
+        self._handle: LoopbackHandle | None = None
+        self._last: dict[str, Any] = {}
 
     def start(self) -> str:
-        """Serve on 127.0.0.1 (a free port) in a daemon thread; returns the base URL."""
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
-        self._httpd.daemon_threads = True
-        threading.Thread(target=self._httpd.serve_forever, name="demo-api", daemon=True).start()
-        return f"http://127.0.0.1:{self._httpd.server_address[1]}"
+        """Start the service; returns its base URL."""
+        loop_keys = [
+            LoopKey(k.name, secret, k.api_concurrency, k.api_rate[0], k.api_rate[1])
+            for secret, k in self.keys.items()
+        ]
+        self._handle = start_loopback(
+            loop_keys, latency=self.latency, sigma=SIGMA, error_rate=self.error_rate
+        )
+        return self._handle.url
 
     def stop(self) -> None:
-        if self._httpd is not None:
-            self._httpd.shutdown()
-            self._httpd.server_close()
-            self._httpd = None
+        if self._handle is not None:
+            with contextlib.suppress(Exception):
+                self._last = self._handle.stats()
+            self._handle.stop()
+            self._handle = None
 
-    def answer(self, authorization: str) -> tuple[int, dict[str, str], bytes]:
-        """(status, headers, body) for one call carrying ``authorization``."""
-        use = self._use.get(_digest(authorization.removeprefix("Bearer ")))
-        if use is None:
-            return 401, {}, b'{"error": "invalid API key"}'
-        wait = self._admit(use)
-        if wait is not None:
-            return 429, {"Retry-After": str(wait)}, b'{"error": "rate limited"}'
-        try:
-            time.sleep(self._rng.uniform(*self.latency))
-            failed = self._rng.random() < self.error_rate
-        finally:
-            with self._lock:
-                use.in_flight -= 1
-                use.http_500 += failed
-                use.ok += not failed
-        if failed:
-            return 500, {}, b'{"error": "internal error (simulated)"}'
-        body = {"bytes": self._rng.randint(1_000, 50_000)}
-        return 200, {}, json.dumps(body).encode()
-
-    def _admit(self, use: _KeyUse) -> int | None:
-        """Count the call in (None), or the whole seconds to wait before trying again."""
-        count, period = use.key.api_rate
-        now = time.monotonic()
-        with self._lock:
-            while use.admitted and use.admitted[0] <= now - period:
-                use.admitted.popleft()
-            if len(use.admitted) >= count:
-                use.http_429 += 1
-                return max(1, math.ceil(use.admitted[0] + period - now))
-            if use.in_flight >= use.key.api_concurrency:
-                use.http_429 += 1
-                return 1
-            use.admitted.append(now)
-            use.in_flight += 1
-            return None
-
-    # --- reading ----------------------------------------------------------------------------
+    def _stats(self) -> dict[str, Any]:
+        if self._handle is not None:
+            with contextlib.suppress(httpx.HTTPError):
+                self._last = self._handle.stats()
+        return self._last
 
     @property
     def http_429(self) -> int:
-        with self._lock:
-            return sum(u.http_429 for u in self._use.values())
+        return sum(int(k["http_429"]) for k in self._stats().get("keys", {}).values())
 
     def report(self) -> tuple[KeyReport, ...]:
-        with self._lock:
-            uses = sorted(self._use.values(), key=lambda u: u.key.name)
-            return tuple(_report(u) for u in uses)
-
-
-def _report(use: _KeyUse) -> KeyReport:
-    k = use.key
-    return KeyReport(
-        k.name, k.max_concurrency, k.rate, k.api_limit, use.ok, use.http_429, use.http_500
-    )
-
-
-def _digest(secret: str) -> str:
-    return hashlib.sha256(secret.encode()).hexdigest()
-
-
-def _handler(api: DemoApi) -> type[BaseHTTPRequestHandler]:
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"  # keep-alive: workers reuse their connections
-
-        def do_GET(self) -> None:
-            status, headers, body = api.answer(self.headers.get("Authorization", ""))
-            self.send_response(status)
-            for name, value in {"Content-Type": "application/json", **headers}.items():
-                self.send_header(name, value)
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass  # the demo prints only through the CLI
-
-    return Handler
+        seen = self._stats().get("keys", {})
+        rows = []
+        for key in sorted(self.keys.values(), key=lambda k: k.name):
+            use = seen.get(key.name, {})
+            counts = (int(use.get(n, 0)) for n in ("ok", "http_429", "http_500"))
+            rows.append(KeyReport(key.name, key.max_concurrency, key.rate, key.api_limit, *counts))
+        return tuple(rows)
 
 
 # --- the run ----------------------------------------------------------------------------------
@@ -292,6 +220,8 @@ class DemoResult:
     services: str
     pool: str = POOL
     keys: tuple[KeyReport, ...] = ()
+    database: str = ""  # the demo's own database
+    dropped: bool = False  # dropped at the end (else kept, with the run's jobs)
 
     @property
     def http_429(self) -> int:
@@ -302,14 +232,43 @@ class DemoResult:
         return sum(k.http_500 for k in self.keys)
 
 
+@dataclass(frozen=True, slots=True)
+class DemoServices:
+    """What the demo runs against, said before it starts (URLs redacted)."""
+
+    settings: Settings = field(repr=False)
+    postgres: str  # the demo's own database
+    postgres_from: str
+    redis: str
+    redis_from: str
+    logs: Path  # the workers' and beat's logs
+    database_created: bool
+    recorded: Path | None  # dev.json, written for the private servers started for the demo
+
+
 @contextmanager
-def services() -> Iterator[Settings]:
-    """Settings pointing at running services; stops on exit only what it started here."""
+def services(
+    database: str = DATABASE, *, drop: bool = False, log_dir: Path | None = None
+) -> Iterator[DemoServices]:
+    """The services the demo uses, with its own database (created when missing; dropped on
+    exit with ``drop``). The machine's services are used without being recorded in dev.json;
+    private servers started here are recorded (for `harvest dev down`) and stopped on exit."""
     before = dev.read_state()
-    state = dev.up()
+    state = dev.up(record=False, database="postgres")  # creates nothing: ensure_database does
     started_here = bool(state.servers) and not (before and before.servers)
     try:
-        yield load_settings(database_url=state.database_url, redis_url=state.redis_url)
+        # dev.json keeps URLs redacted: a URL from the environment is read from there, whole.
+        pg = os.environ[dev.DATABASE_ENV] if state.database_source == "env" else state.database_url
+        redis_url = os.environ[dev.REDIS_ENV] if state.redis_source == "env" else state.redis_url
+        url, created = dev.ensure_database(pg, database)
+        yield DemoServices(
+            load_settings(database_url=url, redis_url=redis_url), redact_url(url),
+            dev.describe(state, "postgres"), redact_url(redis_url), dev.describe(state, "redis"),
+            log_dir or dev.state_dir() / "demo-logs", created,
+            Path(state.state_dir) / dev.STATE_FILE if started_here else None,
+        )  # fmt: skip
+        if drop:
+            dev.drop_database(url)
     finally:
         if started_here:
             dev.down()
@@ -385,7 +344,7 @@ def _enqueue(
 ) -> list[int]:
     ids: list[int] = []
     for start in range(0, jobs, 500):
-        batch = [{"url": f"{base_url}/page/{i}"} for i in range(start, min(jobs, start + 500))]
+        batch = [{"url": f"{base_url}/v1/page/{i}"} for i in range(start, min(jobs, start + 500))]
         ids += client.enqueue_many(JOB, batch)
         on_enqueued(len(ids))
     return ids
@@ -409,16 +368,21 @@ def _wait(
 def run(
     *,
     jobs: int = 3000,
-    concurrency: int = 6,
+    concurrency: int = 2,
     timeout: float = 600.0,
     log_dir: Path | None = None,
+    database: str = DATABASE,
+    drop: bool = False,
+    on_services: Callable[[DemoServices], None] = lambda s: None,
     on_enqueued: Callable[[int], None] = lambda n: None,
     on_progress: Callable[[Progress], None] = lambda p: None,
 ) -> DemoResult:
-    """The whole demo; everything it started is stopped before it returns (or raises)."""
-    with services() as found:
-        migrate.upgrade(found)
-        settings = with_secret_key(found)
+    """The whole demo, in its own ``database`` (dropped at the end with ``drop``); everything
+    it started is stopped before it returns (or raises)."""
+    with services(database, drop=drop, log_dir=log_dir) as found:
+        on_services(found)
+        migrate.upgrade(found.settings)
+        settings = with_secret_key(found.settings)
         client = Harvest(settings)
         client.jobs.update(app.jobs)
         api: DemoApi | None = None
@@ -430,7 +394,7 @@ def run(
                 "HARVEST_SECRET_KEY": _master_key(settings),
                 "HARVEST_WORKER_CONCURRENCY": str(concurrency),
             },
-            log_dir or dev.state_dir() / "demo-logs",
+            found.logs,
         )
         try:
             api = DemoApi(install_keys(client.engine, client.redis, settings))
@@ -446,8 +410,8 @@ def run(
                 counts = store.status_counts(conn, ids)
             unfinished = {s: n for s, n in counts.items() if not JobStatus(s).terminal}
             return DemoResult(
-                jobs, window, elapsed, unfinished, redact_url(settings.database_url),
-                keys=api.report(),
+                jobs, window, elapsed, unfinished, found.postgres, keys=api.report(),
+                database=database, dropped=drop,
             )  # fmt: skip
         finally:
             group.stop()

@@ -5,9 +5,10 @@ recurring schedules (:mod:`harvest.schedules`) and retention (:mod:`harvest.main
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,11 +16,14 @@ from sqlalchemy import Connection
 
 from harvest import keystore, store
 from harvest.broker import chunk, jobs_per_message
+from harvest.coordination import fallback
 from harvest.coordination import keys as rkeys
-from harvest.coordination.key_pool import KeyPool
+from harvest.coordination.key_pool import KeyPool, KeyState
+from harvest.execution import registry
 
 if TYPE_CHECKING:
     from harvest.app import Harvest
+    from harvest.jobs import Claimed
     from harvest.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -39,10 +43,11 @@ class DispatchReport:
 
 def dispatch(app: Harvest) -> DispatchReport:
     """Claim due jobs, commit, then publish them, until none are due or the in-flight window
-    is full. Claims go by priority, except an aging share (``settings.starvation_after``):
-    see :func:`harvest.store.claim_due`. Commit comes first: a crash between commit and
-    publish leaves rows dispatched with no message, and rescue re-queues them when their
-    dispatch lease expires.
+    is full. Each claim (and each pool's budget) is shared round-robin by the tenants with due
+    jobs (``settings.tenant_weights``), by priority within a tenant, except an aging share
+    (``settings.starvation_after``): see :func:`harvest.store.claim_due`. Commit comes first:
+    a crash between commit and publish leaves rows dispatched with no message, and rescue
+    re-queues them when their dispatch lease expires.
 
     One connection serves the whole call, in autocommit: every claim is one statement (atomic
     on its own, committed when it returns), so a round costs two round trips (the in-flight
@@ -53,12 +58,14 @@ def dispatch(app: Harvest) -> DispatchReport:
     claimed_total = messages = rounds = 0
     started = time.monotonic()
     linger_until = 0.0
+    room = _WORKERS.capacity(app)
     with app.engine.connect() as conn:
         conn.execution_options(isolation_level="AUTOCOMMIT")
+        store.quarantine_pending(conn)  # rows the claim skips: failed, with the reason
         while rounds < MAX_ROUNDS and time.monotonic() - started < MAX_SECONDS:
             rounds += 1
             inflight = store.inflight(conn)
-            limit = min(settings.claim_batch_size, settings.inflight_window - inflight)
+            limit = min(settings.claim_batch_size, room.window - inflight)
             if inflight and limit < refill_at(settings):
                 limit = 0  # busy: let more slots free up, then fill them in bigger messages
             budgets = pool_budgets(app, conn) if limit > 0 else None
@@ -68,6 +75,7 @@ def dispatch(app: Harvest) -> DispatchReport:
                 ttl=settings.dispatch_ttl,
                 budgets=budgets,
                 starvation_after=settings.starvation_after or None,
+                weights=settings.tenant_weights,
             )
             if not claimed:
                 # While the nudge marker lives, enqueuers and workers send no nudge
@@ -79,19 +87,29 @@ def dispatch(app: Harvest) -> DispatchReport:
                 time.sleep(LINGER_POLL)
                 continue
             linger_until = 0.0
-            counts = Counter(job.name for job in claimed)
-            runs = _RUN_TIMES.get(app, conn, counts)
-            sizes = {
-                name: jobs_per_message(
-                    n, settings.max_jobs_per_message, settings.worker_concurrency, runs.get(name)
-                )
-                for name, n in counts.items()
-            }
-            batches = chunk(claimed, sizes)
-            app.broker.publish_jobs(batches)
+            messages += _publish(app, conn, claimed, consumers=room.consumers)
             claimed_total += len(claimed)
-            messages += len(batches)
     return DispatchReport(claimed_total, messages, rounds)
+
+
+def _publish(app: Harvest, conn: Connection, claimed: list[Claimed], *, consumers: int) -> int:
+    """Publish claimed (committed) jobs, grouped into messages sized by each name's recent
+    run time; returns how many messages were sent."""
+    counts = Counter(job.name for job in claimed)
+    runs = _RUN_TIMES.get(app, conn, counts)
+    sizes = {
+        name: jobs_per_message(
+            n,
+            app.settings.max_jobs_per_message,
+            consumers,
+            runs.get(name),
+            concurrent=name in app.jobs and app.jobs[name].is_async,
+        )
+        for name, n in counts.items()
+    }
+    batches = chunk(claimed, sizes)
+    app.broker.publish_jobs(batches)
+    return len(batches)
 
 
 class _RunTimes:
@@ -119,10 +137,60 @@ class _RunTimes:
 _RUN_TIMES = _RunTimes()
 
 
+@dataclass(frozen=True, slots=True)
+class Room:
+    """How much the execution side can take."""
+
+    window: int  # most jobs dispatched or running at once
+    consumers: int  # execution processes a claim is spread over
+
+
+class _Workers:
+    """The live execution processes (``harvest.execution.registry``), read at most every
+    ``REFRESH`` seconds: the in-flight window is what they can run at once plus one claim
+    batch waiting (never below ``DEFAULT_WINDOW``), unless ``HARVEST_INFLIGHT_WINDOW`` says;
+    a claim is spread over as many messages as there are processes."""
+
+    REFRESH = 1.0
+    DEFAULT_WINDOW = 400
+
+    def __init__(self) -> None:
+        self._cache: dict[tuple[str, int | None, int, int], tuple[float, Room]] = {}
+
+    def capacity(self, app: Harvest) -> Room:
+        settings = app.settings
+        # The registry read is shared by apps of one Redis; the room also depends on the
+        # settings (two apps of one process with different windows must not share one).
+        key = (
+            settings.redis_url,
+            settings.inflight_window,
+            settings.claim_batch_size,
+            settings.worker_concurrency,
+        )
+        read_at, room = self._cache.get(key, (-1e9, None))
+        if room is not None and time.monotonic() - read_at < self.REFRESH:
+            return room
+        try:
+            live = registry.live(app.redis)
+        except Exception:  # Redis down: the defaults (dispatch still works)
+            live = []
+        slots = sum(w.slots for w in live)
+        window = settings.inflight_window or max(
+            self.DEFAULT_WINDOW, slots + settings.claim_batch_size
+        )
+        room = Room(window, len(live) or settings.worker_concurrency)
+        self._cache[key] = (time.monotonic(), room)
+        return room
+
+
+_WORKERS = _Workers()
+
+
 def refill_at(settings: Settings) -> int:
     """Free slots a round waits for while jobs are in flight: half a claim batch (or half the
     window, when that is smaller), at least one."""
-    return max(1, min(settings.claim_batch_size, settings.inflight_window) // 2)
+    window = settings.inflight_window or _Workers.DEFAULT_WINDOW
+    return max(1, min(settings.claim_batch_size, window) // 2)
 
 
 def _nudge_expires(app: Harvest) -> float:
@@ -134,28 +202,58 @@ def _nudge_expires(app: Harvest) -> float:
     return time.monotonic() + max(0, int(ttl_ms)) / 1000
 
 
+PREFETCH = 0.1  # of a pool's serving concurrency: jobs sent ahead to wait at the gate
+PREFETCH_MAX = 64
+
+
+def pool_budget(states: Sequence[KeyState], waiting: int) -> int:
+    """How many more jobs of one pool to send now: the leases its keys could grant now, plus a
+    few sent ahead (a tenth of the concurrency of the keys that can serve, at most
+    ``PREFETCH_MAX``) so that a job is already waiting at the gate when a key frees (a release
+    in the same process hands the key over at once), less the jobs sent and not started.
+    The gate, not this number, keeps every key within its limits."""
+    free = sum(state.available for state in states)
+    serving = sum(state.max_concurrency for state in states if state.serving)
+    ahead = min(PREFETCH_MAX, math.ceil(serving * PREFETCH))
+    return max(0, free + ahead - waiting)
+
+
 def pool_budgets(app: Harvest, conn: Connection) -> dict[str, int]:
-    """How many more jobs of each key pool to dispatch now: the leases its keys could grant
-    now, less the jobs of that pool already dispatched and waiting to start. A pool whose
-    state cannot be read gets a budget of 0 this round (its jobs wait; nothing over-admits)."""
-    pools = sorted({spec.pool for spec in app.jobs.values() if spec.pool})
-    if not pools:
+    """:func:`pool_budget` of each key pool the registered jobs use, by the ``pool`` text of
+    their rows. A job with fallback pools (``"a,b"``) counts its pools together: their keys'
+    capacity, less the jobs waiting for any of them (:func:`waiting_for`). A pool whose state
+    cannot be read counts as no capacity this round (its jobs wait; nothing over-admits)."""
+    routes = sorted({spec.pool for spec in app.jobs.values() if spec.pool})
+    if not routes:
         return {}
-    waiting = store.dispatched_by_pool(conn, pools)
+    waiting = store.dispatched_by_pool(conn, routes)
+    states = {pool: _pool_states(app, pool) for route in routes for pool in fallback.pools(route)}
     budgets = {}
-    for pool in pools:
-        try:
-            keystore.ensure_pool_loaded(app.engine, app.redis, pool)
-            capacity = KeyPool(app.redis, pool).capacity()
-        except Exception as exc:
-            log.warning(
-                "key pool %r capacity unknown (%s); dispatching none of its jobs",
-                pool,
-                type(exc).__name__,
-            )
-            capacity = 0
-        budgets[pool] = max(0, capacity - waiting.get(pool, 0))
+    for route in routes:
+        known = [state for pool in fallback.pools(route) for state in states[pool]]
+        budgets[route] = pool_budget(known, waiting_for(route, waiting)) if known else 0
     return budgets
+
+
+def _pool_states(app: Harvest, pool: str) -> list[KeyState]:
+    """The live state of one pool's keys ([] when it cannot be read: no capacity)."""
+    try:
+        keystore.ensure_pool_loaded(app.engine, app.redis, pool)
+        return KeyPool(app.redis, pool).snapshot()
+    except Exception as exc:
+        log.warning(
+            "key pool %r capacity unknown (%s); dispatching none of its jobs",
+            pool,
+            type(exc).__name__,
+        )
+        return []
+
+
+def waiting_for(route: str, waiting: Mapping[str, int]) -> int:
+    """Jobs dispatched, not started, that may take a key of one of ``route``'s pools: those
+    of every route sharing a pool with it (for one pool alone: that pool's own)."""
+    mine = set(fallback.pools(route))
+    return sum(n for other, n in waiting.items() if mine.intersection(fallback.pools(other)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +266,8 @@ class RescueReport:
 def rescue(app: Harvest, *, batch: int = 500) -> RescueReport:
     """Return jobs whose lease expired to pending (or failed, when no attempts remain)."""
     requeued = failed = cancelled = 0
+    with app.engine.begin() as conn:
+        store.quarantine_pending(conn)
     for _ in range(MAX_ROUNDS):
         with app.engine.begin() as conn:
             rescued = store.rescue_expired(conn, limit=batch)

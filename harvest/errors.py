@@ -19,6 +19,14 @@ class ServiceUnavailable(HarvestError):
         super().__init__(f"{service} is unavailable: {detail}")
 
 
+class StartupProblem(HarvestError):
+    """Why a worker or beat cannot start (harvest.worker.checks); ``code`` is its exit code."""
+
+    def __init__(self, code: int, message: str) -> None:
+        self.code = code
+        super().__init__(message)
+
+
 # --- refused at the door --------------------------------------------------------------------
 
 
@@ -118,6 +126,15 @@ class ScheduleNotFound(HarvestError, LookupError):
         super().__init__(f"no schedule named {name!r}")
 
 
+class QueueNotFound(HarvestError, LookupError):
+    """No job is registered on the queue, none is stored in it, and it is not paused."""
+
+    def __init__(self, queue: str, known: list[str] | None = None) -> None:
+        self.queue = queue
+        hint = f" (known: {', '.join(sorted(known))})" if known else ""
+        super().__init__(f"unknown queue {queue!r}{hint}")
+
+
 class BatchNotFound(HarvestError, LookupError):
     def __init__(self, batch_id: int) -> None:
         self.batch_id = batch_id
@@ -143,6 +160,25 @@ class JobTimeout(HarvestError):
 
 class PermanentError(HarvestError):
     """Raise from a handler to fail the job at once, without retries."""
+
+
+class InvalidPool(InvalidOption):
+    """A job's ``pool=`` was refused: not a pool name or a list of them, an empty list, a name
+    listed twice, or a name that is not a valid pool name. ``pools`` is what was given."""
+
+    def __init__(self, pools: object, reason: str) -> None:
+        self.pools = pools
+        self.reason = reason
+        super().__init__("pool", reason)
+
+
+class InvalidCost(InvalidOption, PermanentError):
+    """A job's token cost that cannot be served: its cost function failed or gave no whole
+    number, or it is more than any key of its pool allows per minute. The attempt fails without
+    a call, and without retries (the same payload would cost the same)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__("cost", reason)
 
 
 class Retry(HarvestError):
@@ -174,6 +210,35 @@ class RateLimited(HarvestError):
         super().__init__(f"{which} reached; retry after {retry_after:.3f}s")
 
 
+class LockNotAcquired(HarvestError, TimeoutError):
+    """Another owner held the lock for the whole timeout."""
+
+    def __init__(self, name: str, timeout: float) -> None:
+        self.name = name
+        self.timeout = timeout
+        super().__init__(f"lock {name!r} is held by another owner (waited {timeout:g}s)")
+
+
+class SemaphoreBusy(HarvestError, TimeoutError):
+    """No permit of the semaphore could be taken within the timeout."""
+
+    def __init__(self, name: str, timeout: float) -> None:
+        self.name = name
+        self.timeout = timeout
+        super().__init__(f"semaphore {name!r}: no permit free within {timeout:g}s")
+
+
+class KeyNotFound(HarvestError, LookupError):
+    """No API key matches the id or (pool, name) given."""
+
+    def __init__(self, key: int | tuple[str, str]) -> None:
+        self.key = key
+        if isinstance(key, tuple):
+            super().__init__(f"no API key {key[1]!r} in pool {key[0]!r}")
+        else:
+            super().__init__(f"no API key with id {key}")
+
+
 class NoKeyAvailable(HarvestError):
     """No key of the pool could be leased in time; ``retry_after`` is the pool's own estimate."""
 
@@ -199,3 +264,13 @@ class KeyRejected(HarvestError):
     def __init__(self, reason: str = "the service rejected the API key") -> None:
         self.reason = reason
         super().__init__(reason)
+
+
+class InvalidFilter(HarvestError, ValueError):
+    """A filter or bound given to a listing or a bulk action cannot be used (the dashboard and
+    its API answer 422); nothing was read or changed."""
+
+    def __init__(self, field: str, reason: str) -> None:
+        self.field = field
+        self.reason = reason
+        super().__init__(f"invalid {field}: {reason}")

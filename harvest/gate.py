@@ -1,65 +1,45 @@
-"""What stands between a held job and its handler: the API key pool and global rate limits.
+"""The I/O of what stands between a held job and its handler: global rate limits and the API
+key pool. What to do with the answers (wait, defer, lease) is decided in
+:func:`harvest.execution.core.gate`; these classes only ask Redis and Postgres.
 
-Before a job starts (and before its attempt is counted) the worker takes, in this order, a
-permit of the job's global rate limit (``@app.job(rate_limit="100/m")``) and a lease on a key of
-its pool (``@app.job(pool="openai")``). Whatever cannot be had within a short wait sends the job
-back to pending with a delay, without counting an attempt and without holding a worker slot.
-The key lease is heartbeated with the job's lease and released in ``finally``.
+:class:`Gate` does it with blocking calls (sync handlers), :class:`AsyncGate` with awaits on
+``redis.asyncio`` (async handlers) for the hot path (permit, lease, renew, release, 429). The
+rare paths that read Postgres (a key's secret, once per key per process; rebuilding a pool
+Redis lost; writing a key's cooldown or disabled status) are the blocking ones, run off the
+event loop in a thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import os
-import socket
-import time
-from dataclasses import dataclass
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
+from redis.asyncio import Redis as AsyncRedis
+
 from harvest import keystore
-from harvest.coordination.key_pool import Busy, KeyPool, Lease
-from harvest.coordination.rate_limit import RateLimiter
+from harvest.coordination.key_pool import AsyncKeyPool, Busy, KeyPool, Lease, Throttled
+from harvest.coordination.rate_limit import AsyncRateLimiter, RateLimiter
 from harvest.errors import PoolNotLoaded
+from harvest.service_limits import Announced
 
 if TYPE_CHECKING:
     from harvest.app import Harvest, JobSpec
 
 log = logging.getLogger(__name__)
 
-POLL = 0.05
-
-
-@dataclass(frozen=True, slots=True)
-class Wait:
-    """The gate is closed for now: try again after ``seconds``."""
-
-    seconds: float
-    reason: str
-
 
 class Gate:
     def __init__(self, app: Harvest) -> None:
         self.app = app
-        self.holder = f"{socket.gethostname()}:{os.getpid()}"
+        self.ttl = app.settings.lease_ttl
         self._pools: dict[str, KeyPool] = {}
         self._limiters: dict[str, RateLimiter] = {}
         self._cipher: keystore.Cipher | None = None
         self._secrets: dict[int, str] = {}  # key id -> secret; a key's secret never changes
         self.last_used = keystore.LastUsedBuffer()
-
-    # --- taking ---------------------------------------------------------------------------
-
-    def rate_permit(self, spec: JobSpec) -> Wait | None:
-        """One permit of the job's global rate limit, or how long until one is free."""
-        if spec.rate_limit is None:
-            return None
-        limiter = self._limiters.get(spec.name)
-        if limiter is None:
-            limiter = RateLimiter(self.app.redis, f"job:{spec.name}", spec.rate_limit)
-            self._limiters[spec.name] = limiter
-        wait = limiter.try_acquire()
-        return Wait(wait, f"rate limit {spec.rate_limit}") if wait else None
 
     def pool(self, name: str) -> KeyPool:
         pool = self._pools.get(name)
@@ -67,31 +47,35 @@ class Gate:
             pool = self._pools[name] = KeyPool(self.app.redis, name)
         return pool
 
-    def lease(self, pool_name: str, job_id: int) -> Lease | Wait:
-        """A key lease within ``settings.key_wait`` seconds, or how long until one could be.
+    def rate_permit(self, spec: JobSpec) -> float:
+        """One permit of the job's global rate limit: 0.0, or seconds until one is free."""
+        assert spec.rate_limit is not None
+        limiter = self._limiters.get(spec.name)
+        if limiter is None:
+            limiter = self._limiters[spec.name] = RateLimiter(
+                self.app.redis, f"job:{spec.name}", spec.rate_limit
+            )
+        return limiter.try_acquire()
 
-        A pool that Redis lost (restart, flush) is rebuilt from Postgres first."""
-        pool = self.pool(pool_name)
-        deadline = time.monotonic() + self.app.settings.key_wait
-        holder = f"{self.holder}:{job_id}"
-        while True:
-            try:
-                result = pool.lease(holder, self.app.settings.lease_ttl)
-            except PoolNotLoaded:
-                keystore.ensure_pool_loaded(self.app.engine, self.app.redis, pool_name)
-                result = pool.lease(holder, self.app.settings.lease_ttl)
-            if not isinstance(result, Busy):
-                self.last_used.record(result.key_id)
-                return result
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return Wait(max(result.retry_after, POLL), f"no key free in pool {pool_name!r}")
-            time.sleep(min(result.retry_after, left, 0.25))
+    def try_lease(self, pool: str, holder: str, cost: int = 0) -> Lease | Busy | None:
+        """A key lease now (``cost`` tokens reserved on it), or Busy; None when Redis holds no
+        such pool (rebuild it)."""
+        try:
+            result = self.pool(pool).lease(holder, self.ttl, cost=cost)
+        except PoolNotLoaded:
+            return None
+        if isinstance(result, Lease):
+            self.last_used.record(result.key_id)
+        return result
+
+    def load_pool(self, pool: str) -> None:
+        """Rebuild a pool Redis lost (restart, flush) from Postgres, under its lock."""
+        keystore.ensure_pool_loaded(self.app.engine, self.app.redis, pool)
 
     def secret(self, lease: Lease) -> str:
-        """The leased key's secret, decrypted for the handler only. Kept in this worker's
-        memory after the first use (a key's secret never changes: a new secret is a new key),
-        so the gate costs no database round trip per job."""
+        """The leased key's secret, decrypted for the handler only. Kept in this process after
+        the first use (a key's secret never changes: a new secret is a new key), so the gate
+        costs no database round trip per job."""
         secret = self._secrets.get(lease.key_id)
         if secret is None:
             if self._cipher is None:
@@ -101,49 +85,162 @@ class Gate:
             self._secrets[lease.key_id] = secret
         return secret
 
-    # --- keeping and giving back -----------------------------------------------------------
+    def cached_secret(self, lease: Lease) -> str | None:
+        return self._secrets.get(lease.key_id)
 
-    def heartbeat(self, lease: Lease) -> bool:
-        ok = self.pool(lease.pool).heartbeat(lease, self.app.settings.lease_ttl)
-        if not ok:
-            log.warning("key lease on key %s of pool %r was lost", lease.key_id, lease.pool)
+    def heartbeat_many(self, leases: Sequence[Lease]) -> list[bool]:
+        """Renew key leases (one round trip per pool); False for each one lost."""
+        ok: list[bool] = []
+        for pool, group in _by_pool(leases):
+            ok += self.pool(pool).heartbeat_many(group, self.ttl)
         return ok
 
-    def release(self, lease: Lease) -> None:
+    def release(
+        self,
+        lease: Lease,
+        used: int | None = None,
+        succeeded: bool = False,
+        announced: Announced | None = None,
+    ) -> None:
+        """Free the lease, settling its token reservation with ``used``, growing the key's
+        learned limits back when the call ``succeeded``, keeping what the service
+        ``announced`` (see KeyPool.release)."""
         try:
-            if not self.pool(lease.pool).release(lease):
-                log.warning("key lease on key %s of pool %r had expired", lease.key_id, lease.pool)
+            pool = self.pool(lease.pool)
+            if not pool.release(lease, used=used, succeeded=succeeded, announced=announced):
+                _expired(lease)
         except Exception as exc:
             log.warning("key lease not released (%s); it expires by itself", type(exc).__name__)
+        self.flush_last_used()
+
+    def flush_last_used(self) -> None:
         if self.last_used.due():
             try:
                 self.last_used.flush(self.app.engine)
             except Exception as exc:
                 log.warning("last-used times not written (%s)", type(exc).__name__)
 
-    # --- what the service said -------------------------------------------------------------
-
-    def rate_limited(self, lease: Lease, retry_after: float) -> None:
-        """The service answered 429: rest the key (it comes back by itself). The cooldown is
-        written to Postgres too, so a pool rebuilt after Redis lost it still honours it."""
-        until = self.pool(lease.pool).cooldown(lease.key_id, max(retry_after, 0.001))
-        log.warning(
-            "key %s of pool %r cooling for %.1fs (429)", lease.key_id, lease.pool, retry_after
-        )
-        if until is None:
-            return
-        try:
-            with self.app.engine.begin() as conn:
-                cooldown_until = datetime.fromtimestamp(until, UTC)
-                keystore.set_status(conn, lease.key_id, "cooling", cooldown_until=cooldown_until)
-        except Exception as exc:
-            log.warning(
-                "key %s cooldown not written to Postgres (%s)", lease.key_id, type(exc).__name__
-            )
+    def rate_limited(self, lease: Lease, seconds: float, exhausted: bool = False) -> None:
+        """The service answered 429: rest the key (it comes back by itself), and lower its
+        learned limits when its declared ones had room (see KeyPool.throttle)."""
+        done = self.pool(lease.pool).throttle(lease, seconds, exhausted=exhausted)
+        _lowered(lease, done)
+        self.record_cooldown(lease, done.until if done else None, seconds)
 
     def rejected(self, lease: Lease) -> None:
         """The service refused the key (401/403): disable it in Redis and in Postgres."""
         self.pool(lease.pool).disable(lease.key_id)
+        self.record_disabled(lease)
+
+    def record_cooldown(self, lease: Lease, until: float | None, seconds: float) -> None:
+        """Write a cooldown to Postgres too, so a pool rebuilt after Redis lost it honours it."""
+        log.warning("key %s of pool %r cooling for %.1fs (429)", lease.key_id, lease.pool, seconds)
+        if until is None:
+            return
+        try:
+            with self.app.engine.begin() as conn:
+                when = datetime.fromtimestamp(until, UTC)
+                keystore.set_status(conn, lease.key_id, "cooling", cooldown_until=when)
+        except Exception as exc:
+            log.warning("key %s cooldown not written (%s)", lease.key_id, type(exc).__name__)
+
+    def record_disabled(self, lease: Lease) -> None:
         with self.app.engine.begin() as conn:
             keystore.set_status(conn, lease.key_id, "disabled")
         log.error("key %s of pool %r disabled: the service rejected it", lease.key_id, lease.pool)
+
+
+class AsyncGate:
+    """The hot path of :class:`Gate` on an event loop; cold paths go to ``gate`` in a thread."""
+
+    def __init__(self, gate: Gate, redis: AsyncRedis) -> None:
+        self.gate = gate
+        self.ttl = gate.ttl
+        self._redis = redis
+        self._pools: dict[str, AsyncKeyPool] = {}
+        self._limiters: dict[str, AsyncRateLimiter] = {}
+
+    def pool(self, name: str) -> AsyncKeyPool:
+        pool = self._pools.get(name)
+        if pool is None:
+            pool = self._pools[name] = AsyncKeyPool(self._redis, name)
+        return pool
+
+    async def rate_permit(self, spec: JobSpec) -> float:
+        assert spec.rate_limit is not None
+        limiter = self._limiters.get(spec.name)
+        if limiter is None:
+            limiter = self._limiters[spec.name] = AsyncRateLimiter(
+                self._redis, f"job:{spec.name}", spec.rate_limit
+            )
+        return await limiter.try_acquire()
+
+    async def try_lease(self, pool: str, holder: str, cost: int = 0) -> Lease | Busy | None:
+        try:
+            result = await self.pool(pool).lease(holder, self.ttl, cost=cost)
+        except PoolNotLoaded:
+            return None
+        if isinstance(result, Lease):
+            self.gate.last_used.record(result.key_id)
+        return result
+
+    async def load_pool(self, pool: str) -> None:
+        await asyncio.to_thread(self.gate.load_pool, pool)
+
+    async def secret(self, lease: Lease) -> str:
+        cached = self.gate.cached_secret(lease)
+        return cached if cached is not None else await asyncio.to_thread(self.gate.secret, lease)
+
+    async def heartbeat_many(self, leases: Sequence[Lease]) -> list[bool]:
+        ok: list[bool] = []
+        for pool, group in _by_pool(leases):
+            ok += await self.pool(pool).heartbeat_many(group, self.ttl)
+        return ok
+
+    async def release(
+        self,
+        lease: Lease,
+        used: int | None = None,
+        succeeded: bool = False,
+        announced: Announced | None = None,
+    ) -> None:
+        try:
+            pool = self.pool(lease.pool)
+            if not await pool.release(lease, used=used, succeeded=succeeded, announced=announced):
+                _expired(lease)
+        except Exception as exc:
+            log.warning("key lease not released (%s); it expires by itself", type(exc).__name__)
+        if self.gate.last_used.due():
+            await asyncio.to_thread(self.gate.flush_last_used)
+
+    async def rate_limited(self, lease: Lease, seconds: float, exhausted: bool = False) -> None:
+        done = await self.pool(lease.pool).throttle(lease, seconds, exhausted=exhausted)
+        _lowered(lease, done)
+        until = done.until if done else None
+        await asyncio.to_thread(self.gate.record_cooldown, lease, until, seconds)
+
+    async def rejected(self, lease: Lease) -> None:
+        await self.pool(lease.pool).disable(lease.key_id)
+        await asyncio.to_thread(self.gate.record_disabled, lease)
+
+
+def _by_pool(leases: Sequence[Lease]) -> list[tuple[str, list[Lease]]]:
+    """Leases grouped by pool, order kept within each (results come back in that order)."""
+    groups: dict[str, list[Lease]] = {}
+    for lease in leases:
+        groups.setdefault(lease.pool, []).append(lease)
+    return list(groups.items())
+
+
+def _lowered(lease: Lease, done: Throttled | None) -> None:
+    if done is not None and done.lowered:
+        rate = f", rate {done.rate} a window" if done.rate else ""
+        log.warning(
+            "key %s of pool %r: 429 with room under its declared limits; effective "
+            "concurrency lowered to %s%s (grows back on success)",
+            lease.key_id, lease.pool, done.max_concurrency, rate,
+        )  # fmt: skip
+
+
+def _expired(lease: Lease) -> None:
+    log.warning("key lease on key %s of pool %r had expired", lease.key_id, lease.pool)

@@ -26,10 +26,10 @@ class Job:
     id: int
     name: str
     queue: str
-    payload: dict[str, Any]
+    payload: dict[str, Any] | None  # None only when unreadable (see below)
     status: JobStatus
     priority: int
-    run_at: datetime
+    run_at: datetime | None  # None only when unreadable
     attempts: int
     max_attempts: int
     idempotency_key: str | None
@@ -37,15 +37,20 @@ class Job:
     last_error: str | None
     last_traceback: str | None
     cancel_requested: bool
-    created_at: datetime
+    created_at: datetime | None  # None only when unreadable
     dispatched_at: datetime | None
     started_at: datetime | None
     finished_at: datetime | None
     lease_expires_at: datetime | None
+    worker: str | None = None  # hostname:pid of the process that ran (or runs) the last attempt
+    tenant: str | None = None  # fairness key (enqueue's ``tenant=``); None: no tenant
+    # Values of the row Python cannot hold (written around enqueue's checks: a time outside
+    # years 1 to 9999, a number JSON readers refuse), each with why; they read as None.
+    unreadable: tuple[str, ...] = ()
 
     @classmethod
     def from_row(cls, row: Mapping[Any, Any]) -> Job:
-        values = {name: row[name] for name in cls.__dataclass_fields__}
+        values = {name: row[name] for name in cls.__dataclass_fields__ if name in row}
         values["status"] = JobStatus(row["status"])
         return cls(**values)
 
@@ -76,3 +81,4 @@ class Started:
     max_attempts: int
     timeout: float | None
     cancel_requested: bool
+    tenant: str | None = None  # its fairness key (``enqueue(..., tenant=)``), counted in usage

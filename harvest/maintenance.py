@@ -1,4 +1,5 @@
-"""Retention: prune finished jobs, dead jobs, completed batches and old schedule fire records.
+"""Retention: prune finished jobs, dead jobs, completed batches, old schedule fire records and
+old usage minutes (:mod:`harvest.usage`; the running totals stay).
 
 The ``harvest.maintenance`` task (schedule queue, ticked by beat every
 ``HARVEST_MAINTENANCE_INTERVAL`` seconds) runs :func:`run`. One run at a time across the
@@ -16,9 +17,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from redis import RedisError
+from sqlalchemy import Connection
 
 from harvest import store
 from harvest.coordination.lock import Lock
+from harvest.usage import rows as usage_rows
 
 if TYPE_CHECKING:
     from harvest.app import Harvest
@@ -36,11 +39,12 @@ class PruneReport:
     dead: int = 0  # failed jobs
     batches: int = 0
     fires: int = 0
+    usage: int = 0  # usage rows (a key's minute)
     skipped: bool = False  # another run held the lock
 
     @property
     def total(self) -> int:
-        return self.finished + self.dead + self.batches + self.fires
+        return self.finished + self.dead + self.batches + self.fires + self.usage
 
 
 def prune(app: Harvest, *, max_seconds: float = MAX_SECONDS) -> PruneReport:
@@ -52,25 +56,36 @@ def prune(app: Harvest, *, max_seconds: float = MAX_SECONDS) -> PruneReport:
         "dead": settings.dead_retention_seconds,
         "batches": settings.dead_retention_seconds,
         "fires": settings.dead_retention_seconds,
+        "usage": settings.usage_retention_seconds,
     }
     counts = dict.fromkeys(ages, 0)
     for what, age in ages.items():
         while time.monotonic() < deadline:
             with app.engine.begin() as conn:
-                n = store.prune(conn, what, older_than=age, limit=settings.prune_batch_size)
+                n = _prune(conn, what, age, settings.prune_batch_size)
             counts[what] += n
             if n < settings.prune_batch_size:
                 break
-    report = PruneReport(counts["finished"], counts["dead"], counts["batches"], counts["fires"])
+    report = PruneReport(
+        counts["finished"], counts["dead"], counts["batches"], counts["fires"], counts["usage"]
+    )
     if report.total:
         log.info(
-            "pruned %d finished and %d dead jobs, %d batches, %d schedule fire records",
+            "pruned %d finished and %d dead jobs, %d batches, %d schedule fire records, "
+            "%d usage rows",
             report.finished,
             report.dead,
             report.batches,
             report.fires,
+            report.usage,
         )
     return report
+
+
+def _prune(conn: Connection, what: str, age: float, limit: int) -> int:
+    if what == "usage":
+        return usage_rows.prune(conn, older_than=age, limit=limit)
+    return store.prune(conn, what, older_than=age, limit=limit)
 
 
 def run(app: Harvest) -> PruneReport:

@@ -1,11 +1,11 @@
 """Prometheus metrics: the figures of ``harvest stats``, computed on each scrape.
 
 Nothing is counted in memory: every scrape reads Postgres (the jobs table, ``harvest_counters``,
-``harvest_api_keys``) and Redis (the live state of every key pool), so the values survive a
-restart of the metrics process and agree whichever process serves them. Outcomes per job name
-are rows of the jobs table by name and status (a gauge: nothing is written on the hot path to
-count them, and retention may delete rows); the counters of ``harvest_counters`` only grow and
-are Prometheus counters.
+``harvest_api_keys``, the usage totals of :mod:`harvest.usage`) and Redis (the live state of
+every key pool), so the values survive a restart of the metrics process and agree whichever
+process serves them. Outcomes per job name are rows of the jobs table by name and status (a
+gauge: nothing is written on the hot path to count them, and retention may delete rows); the
+counters of ``harvest_counters`` and the usage totals only grow and are Prometheus counters.
 
 ``harvest metrics`` serves :func:`make_server` (loopback by default). :data:`SERIES` names and
 documents every series; a scrape that cannot reach Postgres or Redis still answers, with
@@ -29,9 +29,12 @@ from prometheus_client.registry import Collector
 from redis import Redis
 from redis.exceptions import RedisError
 from sqlalchemy import Engine
+from sqlalchemy.exc import InterfaceError, OperationalError
 
 from harvest import stats
+from harvest.db import unavailable
 from harvest.errors import HarvestError, ServiceUnavailable
+from harvest.usage import rows as usage_rows
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 9808
@@ -127,9 +130,74 @@ SERIES: tuple[Series, ...] = (
         "Calls a key may make per rate window, as harvest enforces it (keys with a rate limit).",
     ),
     _g(
+        "harvest_key_effective_concurrency",
+        ("pool", "key"),
+        "Leases one key is admitted at once now: max_concurrency, or lower after 429s with room.",
+    ),
+    _g(
+        "harvest_key_effective_rate",
+        ("pool", "key"),
+        "Calls a rate window admits now: the declared rate, or lower after 429s with room.",
+    ),
+    _g(
+        "harvest_key_limit_lowered",
+        ("pool", "key"),
+        "Times a 429 with room under its declared limits lowered a key's effective limits.",
+    ),
+    _g(
         "harvest_key_status",
         ("pool", "key", "status"),
         "1 for the key's live status (active, cooling, disabled), 0 for the others.",
+    ),
+    Series(
+        "harvest_key_requests_total",
+        "counter",
+        ("pool", "key"),
+        "Calls made with a key (a handler that ran holding it), as written by the workers' usage "
+        "flushes (every HARVEST_USAGE_FLUSH_INTERVAL s). Sum by pool for a pool's.",
+    ),
+    Series(
+        "harvest_key_tokens_total",
+        "counter",
+        ("pool", "key"),
+        "Tokens used with a key: what handlers reported (ctx.used), else the tokens reserved.",
+    ),
+    Series(
+        "harvest_key_rate_limited_total",
+        "counter",
+        ("pool", "key"),
+        "Calls with a key that the service answered 429 (the handler raised RateLimited).",
+    ),
+    Series(
+        "harvest_tenant_requests_total",
+        "counter",
+        ("pool", "tenant"),
+        "Calls made with a pool's keys for jobs of a tenant (enqueue(..., tenant=); '' for jobs "
+        "without one), from the same usage flushes.",
+    ),
+    Series(
+        "harvest_tenant_tokens_total",
+        "counter",
+        ("pool", "tenant"),
+        "Tokens used for a tenant's jobs with a pool's keys.",
+    ),
+    Series(
+        "harvest_tenant_rate_limited_total",
+        "counter",
+        ("pool", "tenant"),
+        "Calls for a tenant's jobs that the service answered 429.",
+    ),
+    Series(
+        "harvest_tenant_errors_total",
+        "counter",
+        ("pool", "tenant"),
+        "Calls for a tenant's jobs whose attempt ended in another error.",
+    ),
+    Series(
+        "harvest_key_errors_total",
+        "counter",
+        ("pool", "key"),
+        "Calls with a key whose attempt ended in another error (timeouts included).",
     ),
     _g("harvest_up", ("service",), "1 when the service (postgres, redis) answered this scrape."),
     _g("harvest_scrape_duration_seconds", (), "Seconds this scrape took to compute."),
@@ -184,9 +252,11 @@ class HarvestCollector(Collector):
         try:
             figures = stats.collect(self.engine)
             by_name = stats.jobs_by_name(self.engine)
+            usage = _usage_families(self.engine)
         except ServiceUnavailable:
             return [], False
-        return [*_job_families(figures, by_name), *_counter_families(figures.counters)], True
+        families = [*_job_families(figures, by_name), *_counter_families(figures.counters)]
+        return [*families, *usage], True
 
     # --- Redis ----------------------------------------------------------------------------------
 
@@ -245,12 +315,42 @@ def _counter_families(counters: dict[str, int]) -> Iterator[Metric]:
         yield family
 
 
+USAGE = {
+    "harvest_key_requests_total": "requests",
+    "harvest_key_tokens_total": "tokens",
+    "harvest_key_rate_limited_total": "rate_limited",
+    "harvest_key_errors_total": "errors",
+}
+
+
+def _usage_families(engine: Engine) -> list[Metric]:
+    """The usage counters, from the running totals (they only grow: retention prunes minutes,
+    never totals, so a counter never goes back)."""
+    try:
+        with engine.connect() as conn:
+            keys = usage_rows.per_key(conn, minutes=None)
+            tenants = usage_rows.per_tenant(conn, minutes=None)
+    except (OperationalError, InterfaceError) as exc:
+        raise unavailable(exc) from None
+    families = {name: _family(name) for name in USAGE}
+    for one in keys:
+        for name, field in USAGE.items():
+            families[name].add_metric([one.pool, one.key or ""], getattr(one, field))
+    by_tenant = {name.replace("_key_", "_tenant_"): field for name, field in USAGE.items()}
+    tenant_families = {name: _family(name) for name in by_tenant}
+    for one in tenants:
+        for name, field in by_tenant.items():
+            tenant_families[name].add_metric([one.pool, one.tenant or ""], getattr(one, field))
+    return [*families.values(), *tenant_families.values()]
+
+
 def _pool_families(pools: list[stats.PoolUse]) -> list[Metric]:
     names = (
         "harvest_key_pool_keys", "harvest_key_pool_leases", "harvest_key_pool_capacity",
         "harvest_key_pool_utilisation", "harvest_key_pool_loaded", "harvest_key_leases",
         "harvest_key_max_concurrency", "harvest_key_rate_used", "harvest_key_rate_limit",
-        "harvest_key_status",
+        "harvest_key_status", "harvest_key_effective_concurrency", "harvest_key_effective_rate",
+        "harvest_key_limit_lowered",
     )  # fmt: skip
     f = {name: _family(name) for name in names}
     for pool in pools:
@@ -268,6 +368,11 @@ def _pool_families(pools: list[stats.PoolUse]) -> list[Metric]:
             if key.live is not None and key.live.rate is not None:
                 f["harvest_key_rate_used"].add_metric(labels, key.live.rate_used)
                 f["harvest_key_rate_limit"].add_metric(labels, key.live.rate.count)
+                f["harvest_key_effective_rate"].add_metric(labels, key.live.effective_rate)
+            if key.live is not None:
+                live = key.live
+                f["harvest_key_effective_concurrency"].add_metric(labels, live.effective_max)
+                f["harvest_key_limit_lowered"].add_metric(labels, live.lowered)
             for status in KEY_STATUSES:
                 f["harvest_key_status"].add_metric(
                     [*labels, status], 1.0 if key.status == status else 0.0

@@ -79,6 +79,11 @@ class JobRow(Base):
     started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     batch_id: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # harvest_batches.id
+    worker: Mapped[str | None] = mapped_column(Text, nullable=True)  # hostname:pid of the attempt
+    # When a run of deferrals (no key free, unknown job name, shutdown) began; cleared at start.
+    deferred_since: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
+    # Fairness key (migration 0011): dispatch shares each claim across tenants; NULL is one.
+    tenant: Mapped[str | None] = mapped_column(Text, nullable=True)
 
     __table_args__ = (
         CheckConstraint(
@@ -112,6 +117,22 @@ class JobRow(Base):
         Index(
             "harvest_jobs_pending_queue_idx", "queue", postgresql_where=text("status = 'pending'")
         ),
+        # Search by a payload path (containment, harvest.search); migration 0010.
+        Index(
+            "harvest_jobs_payload_idx",
+            "payload",
+            postgresql_using="gin",
+            postgresql_ops={"payload": "jsonb_path_ops"},
+        ),
+        # The fair claim: each tenant's due jobs in claim order (NULL tenant as ''); 0011.
+        Index(
+            "harvest_jobs_tenant_claim_idx",
+            text("(COALESCE(tenant, ''))"),
+            text("priority DESC"),
+            "run_at",
+            "id",
+            postgresql_where=text("status = 'pending'"),
+        ),
         # Retention finds the oldest finished jobs without a scan.
         Index(
             "harvest_jobs_finished_idx",
@@ -119,6 +140,36 @@ class JobRow(Base):
             postgresql_where=text("status IN ('succeeded', 'failed', 'cancelled')"),
         ),
     )
+
+
+class AttemptRow(Base):
+    """One ended attempt of a job (written by a trigger when the job leaves ``running``; the
+    last 20 of each job are kept, and go with the job). See migration 0007."""
+
+    __tablename__ = "harvest_job_attempts"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(always=False), primary_key=True)
+    job_id: Mapped[int] = mapped_column(
+        BigInteger, ForeignKey("harvest_jobs.id", ondelete="CASCADE")
+    )
+    attempt: Mapped[int] = mapped_column(Integer)
+    worker: Mapped[str | None] = mapped_column(Text)
+    started_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    ended_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+    outcome: Mapped[str] = mapped_column(Text)  # succeeded, retry, failed, cancelled
+    error: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (Index("harvest_job_attempts_job_idx", "job_id", "attempt"),)
+
+
+class QueuePauseRow(Base):
+    """A paused queue: dispatch claims none of its jobs until the row is deleted (resume).
+    See migration 0009 and :mod:`harvest.queues`."""
+
+    __tablename__ = "harvest_queue_pauses"
+
+    queue: Mapped[str] = mapped_column(Text, primary_key=True)
+    paused_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), server_default=func.now())
 
 
 class CounterRow(Base):
@@ -145,6 +196,7 @@ class ApiKeyRow(Base):
     secret_hint: Mapped[str] = mapped_column(Text)
     max_concurrency: Mapped[int] = mapped_column(Integer, server_default="1")
     rate_limit: Mapped[str | None] = mapped_column(Text, nullable=True)
+    tpm: Mapped[int | None] = mapped_column(BigInteger, nullable=True)  # tokens/minute; None: none
     status: Mapped[str] = mapped_column(Text, server_default="active")
     cooldown_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
     last_used_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True), nullable=True)
@@ -154,6 +206,7 @@ class ApiKeyRow(Base):
     __table_args__ = (
         UniqueConstraint("pool", "name", name="harvest_api_keys_pool_name_key"),
         CheckConstraint("max_concurrency >= 1", name="harvest_api_keys_max_concurrency_check"),
+        CheckConstraint("tpm >= 1", name="harvest_api_keys_tpm_check"),
         CheckConstraint(
             "status IN ('active', 'cooling', 'disabled')", name="harvest_api_keys_status_check"
         ),
@@ -247,3 +300,34 @@ class BatchRow(Base):
             postgresql_where=text("completed_at IS NOT NULL"),
         ),
     )
+
+
+class _UsageCounts:
+    """The columns both usage tables share: the jobs' tenant ('' for none, in the key) and the
+    four counts."""
+
+    tenant: Mapped[str] = mapped_column(Text, primary_key=True, server_default="")
+    requests: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    tokens: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    rate_limited: Mapped[int] = mapped_column(BigInteger, server_default="0")
+    errors: Mapped[int] = mapped_column(BigInteger, server_default="0")
+
+
+class KeyUsageRow(_UsageCounts, Base):
+    """Calls made with one key in one minute (migration 0012, :mod:`harvest.usage`): added to
+    by each worker's flush, pruned by retention. ``tenant`` '' means none."""
+
+    __tablename__ = "harvest_key_usage"
+
+    minute: Mapped[datetime] = mapped_column(DateTime(timezone=True), primary_key=True)
+    pool: Mapped[str] = mapped_column(Text, primary_key=True)
+    key_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+
+
+class KeyUsageTotalRow(_UsageCounts, Base):
+    """Calls made with one key since it was first used: only grows (the metrics' counters)."""
+
+    __tablename__ = "harvest_key_usage_totals"
+
+    pool: Mapped[str] = mapped_column(Text, primary_key=True)
+    key_id: Mapped[int] = mapped_column(BigInteger, primary_key=True)

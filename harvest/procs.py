@@ -19,22 +19,39 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class ProcessGroup:
-    """``celery -A workers ...`` processes sharing one environment and one log folder."""
+    """``celery -A <app> ...`` processes (harvest's own app by default) sharing one environment
+    and one log folder. ``cwd`` and ``repo_on_path=False`` run them as a project outside this
+    repository would (the README test)."""
 
-    def __init__(self, env: Mapping[str, str], log_dir: Path) -> None:
+    def __init__(
+        self,
+        env: Mapping[str, str],
+        log_dir: Path,
+        *,
+        app: str = "harvest.worker",
+        cwd: Path = ROOT,
+        repo_on_path: bool = True,
+    ) -> None:
+        self.app = app
+        self.cwd = cwd
         self.env = {**os.environ, **env}
-        self.env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(ROOT), self.env.get("PYTHONPATH", "")) if p
-        )
+        if repo_on_path:
+            self.env["PYTHONPATH"] = os.pathsep.join(
+                p for p in (str(ROOT), self.env.get("PYTHONPATH", "")) if p
+            )
         self.log_dir = log_dir
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.procs: list[subprocess.Popen[bytes]] = []
 
     def start(self, name: str, args: list[str], **env: str) -> subprocess.Popen[bytes]:
+        return self.command(name, [sys.executable, "-m", "celery", "-A", self.app, *args], **env)
+
+    def command(self, name: str, argv: list[str], **env: str) -> subprocess.Popen[bytes]:
+        """Start ``argv`` as it is (a README line, say), logged to ``<name>-<n>.log``."""
         with (self.log_dir / f"{name}-{len(self.procs)}.log").open("wb") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "celery", "-A", "workers", *args],
-                cwd=ROOT,
+                argv,
+                cwd=self.cwd,
                 env={**self.env, **env},
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -44,7 +61,10 @@ class ProcessGroup:
         self.procs.append(proc)
         return proc
 
-    def worker(self, queue: str, concurrency: int = 2, **env: str) -> subprocess.Popen[bytes]:
+    def worker(
+        self, queue: str, concurrency: int = 2, *, pool: str = "prefork", **env: str
+    ) -> subprocess.Popen[bytes]:
+        """A worker consuming ``queue`` on Celery's ``pool`` (prefork, solo, threads, gevent)."""
         node = f"{queue}-{len(self.procs)}-{os.getpid()}@%h"
         args = [
             "worker",
@@ -59,7 +79,7 @@ class ProcessGroup:
             "--without-gossip",
             "--without-mingle",
             "--pool",
-            "prefork",
+            pool,
         ]
         return self.start(f"worker-{queue}", args, **env)
 

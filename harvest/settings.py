@@ -7,12 +7,22 @@ from it, down.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import (
+    Field,
+    SecretStr,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
-from harvest.redact import redact_url
+from harvest.errors import ConfigurationError
+
+MAX_TENANT_WEIGHT = 1000  # a tenant's jobs per round of the fair claim, at most
 
 
 class Settings(BaseSettings):
@@ -23,6 +33,17 @@ class Settings(BaseSettings):
     database_url: str = Field(
         default="postgresql+psycopg://postgres@127.0.0.1:5432/harvest",
         description="SQLAlchemy URL of the Postgres database (driver psycopg 3).",
+    )
+    database_pooler: Literal["none", "transaction"] = Field(
+        default="none",
+        description="What sits between harvest and Postgres: none (a direct connection), or "
+        "transaction (PgBouncer or another pooler in transaction mode): harvest then prepares "
+        "no statement and sends no startup options (statement timeouts come from the role).",
+    )
+    database_direct_url: str | None = Field(
+        default=None,
+        description="Postgres itself, bypassing the pooler, for migrations (harvest migrate). "
+        "Default: database_url.",
     )
     redis_url: str = Field(
         default="redis://127.0.0.1:6379/0",
@@ -52,8 +73,11 @@ class Settings(BaseSettings):
         description="How long a dispatched job may wait in the broker before rescue re-queues it.",
     )
     claim_batch_size: int = Field(default=200, ge=1, le=10_000)
-    inflight_window: int = Field(
-        default=400, ge=1, description="Most jobs dispatched or running at once."
+    inflight_window: int | None = Field(
+        default=None,
+        ge=1,
+        description="Most jobs dispatched or running at once. Default: what the live execution "
+        "processes can run at once plus one claim batch (at least 400).",
     )
     max_jobs_per_message: int = Field(
         default=16, ge=1, le=500, description="Jobs one execution message may carry (deep queue)."
@@ -88,6 +112,12 @@ class Settings(BaseSettings):
         description="Workers send Celery task events (Flower's live view). Off: Celery's "
         "default; Flower turns them on while it runs (every 5 s).",
     )
+    tick_events: bool = Field(
+        default=False,
+        description="Celery task events for harvest's own tasks too (dispatch, rescue, "
+        "schedules and maintenance ticks, execution messages). Off: Flower's task list shows "
+        "jobs only, one task per attempt.",
+    )
     broker_visibility_timeout: float | None = Field(
         default=None,
         gt=0,
@@ -117,6 +147,11 @@ class Settings(BaseSettings):
         default_factory=dict,
         description="Per-queue overrides of max_queue_depth: 'queue=n,queue=n' in the environment.",
     )
+    tenant_weights: Annotated[dict[str, int], NoDecode] = Field(
+        default_factory=dict,
+        description="Fair share: a tenant's jobs per round of the claim's round-robin (1 to "
+        "1000; a tenant not named has 1): 'tenant=n,tenant=n' in the environment.",
+    )
     max_batch_size: int = Field(default=100_000, ge=1, description="Most jobs in one batch.")
     maintenance_interval: float = Field(
         default=60.0, gt=0, description="Beat period of retention (pruning)."
@@ -130,8 +165,58 @@ class Settings(BaseSettings):
         description="Failed (dead) jobs, completed batches and schedule fire records are pruned "
         "after this.",
     )
+    usage_retention_seconds: float = Field(
+        default=30 * 86_400.0,
+        gt=0,
+        description="Usage per key and minute (harvest.usage) is pruned after this.",
+    )
+    usage_flush_interval: float = Field(
+        default=10.0,
+        gt=0,
+        le=300,
+        description="Seconds between an execution process's writes of its usage counts: a "
+        "process that dies loses at most this window of usage (never jobs).",
+    )
     prune_batch_size: int = Field(
         default=1000, ge=1, le=100_000, description="Rows one pruning statement deletes."
+    )
+
+    # Concurrent execution: async handlers on each process's event loop, thread pools.
+    async_concurrency: int = Field(
+        default=100,
+        ge=1,
+        le=100_000,
+        description="Async jobs one execution process runs at once on its event loop "
+        "(celery worker --async-concurrency N says the same).",
+    )
+    write_linger_ms: float = Field(
+        default=2.0,
+        ge=0,
+        le=1000,
+        description="How long an execution process gathers the starts, finishes and deferrals "
+        "of its async jobs before writing each kind as one statement (one commit).",
+    )
+    async_db_pool_size: int = Field(
+        default=4, ge=1, le=1000, description="Postgres connections of one process's event loop."
+    )
+    shutdown_grace: float = Field(
+        default=30.0,
+        ge=0,
+        description="Warm shutdown: how long async jobs in flight may run on before they are "
+        "handed back (pending again at once, the attempt not counted).",
+    )
+    unknown_job_grace: float = Field(
+        default=300.0,
+        ge=0,
+        description="A job whose name the worker does not know (a rolling deploy) is deferred "
+        "without using an attempt for this long, then failed.",
+    )
+
+    # harvest in a project (issue 14).
+    log_format: Literal["logfmt", "json"] = Field(
+        default="logfmt",
+        description="Job-level log lines (one per attempt at start and end): logfmt through "
+        "the worker's log, or json (one object a line, on the worker's stderr).",
     )
 
     @field_validator("imports", mode="before")
@@ -141,20 +226,22 @@ class Settings(BaseSettings):
             return [part.strip() for part in value.split(",") if part.strip()]
         return value
 
-    @field_validator("queue_max_depths", mode="before")
+    @field_validator("queue_max_depths", "tenant_weights", mode="before")
     @classmethod
-    def _parse_depths(cls, value: object) -> object:
+    def _parse_pairs(cls, value: object, info: ValidationInfo) -> object:
+        """'name=n,name=n' from the environment, as a mapping."""
         if not isinstance(value, str):
             return value
-        depths: dict[str, object] = {}
+        pairs: dict[str, object] = {}
         for part in value.split(","):
             if not part.strip():
                 continue
-            queue, sep, number = part.partition("=")
-            if not sep or not queue.strip():
-                raise ValueError(f"queue_max_depths: expected 'queue=n', got {part.strip()!r}")
-            depths[queue.strip()] = number.strip()
-        return depths
+            name, sep, number = part.partition("=")
+            if not sep or not name.strip():
+                what = "queue" if info.field_name == "queue_max_depths" else "tenant"
+                raise ValueError(f"{info.field_name}: expected '{what}=n', got {part.strip()!r}")
+            pairs[name.strip()] = number.strip()
+        return pairs
 
     @field_validator("queue_max_depths")
     @classmethod
@@ -164,17 +251,43 @@ class Settings(BaseSettings):
                 raise ValueError(f"queue_max_depths: {queue}={depth} must be at least 1")
         return value
 
-    @field_validator("database_url")
+    @field_validator("tenant_weights")
     @classmethod
-    def _postgres_only(cls, value: str) -> str:
+    def _weights_in_range(cls, value: dict[str, int]) -> dict[str, int]:
+        for tenant, weight in value.items():
+            if not 1 <= weight <= MAX_TENANT_WEIGHT:
+                raise ValueError(
+                    f"tenant_weights: {tenant}={weight} must be from 1 to {MAX_TENANT_WEIGHT}"
+                )
+        return value
+
+    @field_validator("database_url", "database_direct_url")
+    @classmethod
+    def _postgres_only(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if value is None:
+            return None
         if value.startswith("postgresql://"):
             value = "postgresql+psycopg://" + value.removeprefix("postgresql://")
         if not value.startswith("postgresql+psycopg://"):
-            raise ValueError(
-                f"database_url must be a postgresql+psycopg:// URL, got {redact_url(value)!r}"
-                " (SQLite cannot do FOR UPDATE SKIP LOCKED)"
+            # Never the URL itself: a value not in scheme://user:pass@host form is not masked
+            # reliably (its password could be anywhere in it).
+            scheme = value.partition(":")[0] if "://" in value else ""
+            got = (
+                f"a {scheme}:// URL"
+                if scheme.replace("+", "").isalnum()
+                else "a value that is not a URL"
             )
-        return value
+            why = " (SQLite cannot do FOR UPDATE SKIP LOCKED)" if "sqlite" in scheme else ""
+            raise ValueError(
+                f"{info.field_name} must be a postgresql:// (postgresql+psycopg://) URL, "
+                f"got {got}{why}"
+            )
+        return _check_url(value, str(info.field_name))
+
+    @field_validator("redis_url", "broker_url")
+    @classmethod
+    def _parseable(cls, value: str | None, info: ValidationInfo) -> str | None:
+        return _check_url(value, str(info.field_name)) if value is not None else None
 
     @model_validator(mode="after")
     def _timeouts_fit(self) -> Settings:
@@ -210,6 +323,37 @@ class Settings(BaseSettings):
         """The database URL in the form psycopg's own ``connect`` takes."""
         return "postgresql://" + self.database_url.split("://", 1)[1]
 
+    @property
+    def pooled(self) -> bool:
+        """True when connections go through a transaction-mode pooler (PgBouncer): nothing may
+        outlive a transaction on a server connection."""
+        return self.database_pooler == "transaction"
+
+    def migration_settings(self) -> Settings:
+        """These settings as migrations see them: ``database_direct_url`` when set (then no
+        pooler in between), else the same connection as every other role."""
+        if self.database_direct_url is None:
+            return self
+        return self.model_copy(
+            update={
+                "database_url": self.database_direct_url,
+                "database_direct_url": None,
+                "database_pooler": "none",
+            }
+        )
+
+
+def _check_url(value: str, name: str) -> str:
+    """A URL a driver can parse (its port a number); the error never holds the URL."""
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018 - parsing the port is the check
+    except ValueError:
+        raise ValueError(f"{name}: the port is not a number from 0 to 65535") from None
+    if not parts.scheme or (not parts.netloc and not parts.path):
+        raise ValueError(f"{name} must be a URL (scheme://user:password@host:port/...)")
+    return value
+
 
 def load_settings(**overrides: object) -> Settings:
     """Settings for an entry point: the environment, then the URLs that ``harvest dev up``
@@ -225,4 +369,18 @@ def load_settings(**overrides: object) -> Settings:
             if not os.environ.get(f"HARVEST_{name.upper()}") and name in recorded:
                 values[name] = recorded[name]
     values.update(overrides)
-    return Settings(**values)  # type: ignore[arg-type]
+    try:
+        return Settings(**values)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        raise ConfigurationError(explain_invalid(exc)) from None
+
+
+def explain_invalid(exc: ValidationError) -> str:
+    """Which variables are wrong and why, on one line; never their values (one may be a
+    secret)."""
+    problems = "; ".join(
+        f"HARVEST_{str(e['loc'][0]).upper() if e['loc'] else exc.title}: "
+        f"{str(e['msg']).removeprefix('Value error, ')}"
+        for e in exc.errors(include_input=False, include_url=False)
+    )
+    return f"bad configuration: {problems}"

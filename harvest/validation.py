@@ -6,9 +6,12 @@ import functools
 import inspect
 import json
 import math
+import sys
+import unicodedata
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 from harvest.errors import InvalidOption, InvalidPayload, PayloadTooLarge
@@ -18,34 +21,99 @@ PRIORITY_RANGE = (-1000, 1000)
 MAX_ATTEMPTS_LIMIT = 1000
 MAX_IDEMPOTENCY_KEY = 255
 MAX_DELAY = 10 * 365 * 86400.0  # ten years: further out is a mistake, not a schedule
+# The instants every side can hold: Python's datetime (years 1 to 9999 in the zone it is read
+# in) and Postgres' timestamptz. A day's margin at each end keeps a time readable whatever
+# the session's time zone (offsets are under a day), so a stored job can always be read back.
+RUN_AT_MIN = datetime(1, 1, 2, tzinfo=UTC)
+RUN_AT_MAX = datetime(9999, 12, 30, tzinfo=UTC)
+# A float this large is written by Python in exponent form (1e+16) and read back from jsonb as
+# an integer (Postgres prints numerics in full): such floats are encoded as "digits.0".
+_FLOAT_EXPONENT_FORM = 1e16
 
 
-def _check_values(value: Any, depth: int, path: str) -> None:
+def _max_int_digits() -> int:
+    """Python's own limit on int <-> str conversion (0: none): a longer integer cannot be
+    written as JSON nor read back from it."""
+    limit = sys.get_int_max_str_digits()
+    return limit if limit > 0 else 1 << 62
+
+
+def _int_fits(value: int) -> bool:
+    limit = _max_int_digits()
+    # bit_length * log10(2) digits, within one: the cheap test settles all but the border
+    if value.bit_length() * 0.30103 < limit - 1:
+        return True
+    return bool(abs(value) < 10**limit)
+
+
+def shown(value: Any, width: int = 80) -> str:
+    """``repr(value)`` for an error message: at most ``width`` characters, and never raising
+    (an integer beyond Python's 4300-digit limit cannot be written out; a __repr__ may fail)."""
+    try:
+        text = repr(value)
+    except ValueError:
+        if isinstance(value, int):
+            return f"an integer of {value.bit_length()} bits"
+        return f"a {type(value).__name__}"
+    except Exception:
+        return f"a {type(value).__name__}"
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def unicode_problem(value: str) -> str | None:
+    """Why Postgres cannot store ``value`` as text (None: it can)."""
+    if "\x00" in value:
+        return "a NUL character"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "a lone surrogate (not valid Unicode)"
+    return None
+
+
+def _shown(key: str) -> str:
+    """A payload key for a message: printable, short, and encodable whatever it holds."""
+    return repr(key[:40]) if unicode_problem(key) else key[:80]
+
+
+def _check_values(value: Any, depth: int, path: str) -> bool:
+    """Raise InvalidPayload at the first value that cannot round-trip through JSON, jsonb and
+    back; True when a float needs the slow encoder (see :data:`_FLOAT_EXPONENT_FORM`)."""
     if depth > MAX_DEPTH:
         raise InvalidPayload(f"nested deeper than {MAX_DEPTH} levels at {path}")
     if isinstance(value, str):
-        if "\x00" in value:
-            raise InvalidPayload(f"NUL character at {path} (Postgres jsonb cannot store it)")
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
+        problem = unicode_problem(value)
+        if problem is not None:
+            raise InvalidPayload(f"string at {path} holds {problem}; Postgres cannot store it")
+        return False
+    if isinstance(value, bool) or value is None:
+        return False
+    if isinstance(value, int):
+        if not _int_fits(value):
             raise InvalidPayload(
-                f"string at {path} is not valid Unicode (a lone surrogate)"
-            ) from None
-    elif isinstance(value, float):
+                f"integer at {path} has more than {_max_int_digits()} digits "
+                "(JSON readers, Python's among them, cannot read it back)"
+            )
+        return False
+    if isinstance(value, float):
         if not math.isfinite(value):
             raise InvalidPayload(f"{value} at {path} is not valid JSON")
-    elif isinstance(value, Mapping):
+        return abs(value) >= _FLOAT_EXPONENT_FORM
+    slow = False
+    if isinstance(value, Mapping):
         for key, item in value.items():
             if not isinstance(key, str):
-                raise InvalidPayload(f"key {key!r} at {path} is not a string")
-            _check_values(key, depth + 1, path)
-            _check_values(item, depth + 1, f"{path}.{key}")
+                raise InvalidPayload(f"key {shown(key)} at {path} is not a string")
+            problem = unicode_problem(key)
+            if problem is not None:
+                raise InvalidPayload(f"a key at {path} ({_shown(key)}) holds {problem}")
+            slow = _check_values(item, depth + 1, f"{path}.{_shown(key)}") or slow
     elif isinstance(value, list | tuple):
         for i, item in enumerate(value):
-            _check_values(item, depth + 1, f"{path}[{i}]")
-    elif value is not None and not isinstance(value, bool | int):
+            slow = _check_values(item, depth + 1, f"{path}[{i}]") or slow
+    else:
         raise InvalidPayload(f"{type(value).__name__} at {path} is not JSON")
+    return slow
 
 
 def _as_dict(value: Any) -> dict[str, Any]:
@@ -59,14 +127,49 @@ def _as_dict(value: Any) -> dict[str, Any]:
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False, default=_as_dict)
 
 
+def payload_from_json(text: str, *, option: str = "--payload") -> dict[str, Any]:
+    """A payload given as JSON text (a command-line option): a JSON object, or InvalidPayload
+    naming ``option`` (never a traceback: bad syntax, nesting, a number too long to read)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidPayload(
+            f"{option} is not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+        ) from None
+    except RecursionError:
+        raise InvalidPayload(f"{option} is nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as exc:  # an integer longer than Python reads (sys.get_int_max_str_digits)
+        raise InvalidPayload(f"{option} cannot be read: {str(exc).split(';')[0]}") from None
+    if not isinstance(data, dict):
+        kind = "null" if data is None else type(data).__name__
+        raise InvalidPayload(
+            f"{option} must be a JSON object (the handler's keyword arguments), got {kind}"
+        )
+    return data
+
+
+def _encode_slow(value: Any) -> str:
+    """JSON text of a checked value whose large floats are written in full ("1e+23" becomes
+    "100000000000000000000000.0"), so that jsonb keeps them floats and Python reads back the
+    same float."""
+    if isinstance(value, float) and abs(value) >= _FLOAT_EXPONENT_FORM:
+        return f"{Decimal(repr(value)):f}.0"
+    if isinstance(value, Mapping):
+        items = (f"{_ENCODER.encode(k)}:{_encode_slow(v)}" for k, v in value.items())
+        return "{" + ",".join(items) + "}"
+    if isinstance(value, list | tuple):
+        return "[" + ",".join(_encode_slow(v) for v in value) + "]"
+    return _ENCODER.encode(value)
+
+
 def encode_payload(payload: Any, *, limit: int) -> str:
     """The payload as compact JSON text, or InvalidPayload / PayloadTooLarge."""
     if not isinstance(payload, Mapping):
         raise InvalidPayload(
             f"must be a JSON object (the handler's keyword arguments), got {type(payload).__name__}"
         )
-    _check_values(payload, 0, "payload")
-    encoded = _ENCODER.encode(payload)
+    slow = _check_values(payload, 0, "payload")
+    encoded = _encode_slow(payload) if slow else _ENCODER.encode(payload)
     # Each character is 1 to 4 bytes of UTF-8: count the bytes only when that matters.
     if len(encoded) * 4 > limit and (size := len(encoded.encode())) > limit:
         raise PayloadTooLarge(size, limit)
@@ -130,7 +233,7 @@ def check_priority(priority: Any) -> int:
     low, high = PRIORITY_RANGE
     if isinstance(priority, bool) or not isinstance(priority, int) or not low <= priority <= high:
         raise InvalidOption(
-            "priority", f"must be an integer from {low} to {high}, got {priority!r}"
+            "priority", f"must be an integer from {low} to {high}, got {shown(priority)}"
         )
     return priority
 
@@ -142,7 +245,7 @@ def check_max_attempts(value: Any) -> int:
         or not 1 <= value <= MAX_ATTEMPTS_LIMIT
     ):
         raise InvalidOption(
-            "max_attempts", f"must be an integer from 1 to {MAX_ATTEMPTS_LIMIT}, got {value!r}"
+            "max_attempts", f"must be an integer from 1 to {MAX_ATTEMPTS_LIMIT}, got {shown(value)}"
         )
     return value
 
@@ -152,12 +255,18 @@ def check_delay(delay: Any) -> float | None:
         return None
     if isinstance(delay, timedelta):
         delay = delay.total_seconds()
-    if isinstance(delay, bool) or not isinstance(delay, int | float) or not math.isfinite(delay):
-        raise InvalidOption("delay", f"must be seconds or a timedelta, got {delay!r}")
+    if (
+        isinstance(delay, bool)
+        or not isinstance(delay, int | float)
+        or (isinstance(delay, float) and not math.isfinite(delay))
+    ):
+        raise InvalidOption("delay", f"must be seconds or a timedelta, got {shown(delay)}")
     if delay < 0:
-        raise InvalidOption("delay", f"must not be negative, got {delay!r}")
+        raise InvalidOption("delay", f"must not be negative, got {shown(delay)}")
     if delay > MAX_DELAY:
         raise InvalidOption("delay", f"must be at most {MAX_DELAY:.0f} seconds (ten years)")
+    if 0 < delay < 1e-6:
+        return 0.0  # below Postgres' microsecond: due now
     return float(delay)
 
 
@@ -166,16 +275,27 @@ def check_run_at(run_at: Any) -> datetime | None:
         return None
     if not isinstance(run_at, datetime):
         raise InvalidOption("run_at", f"must be a datetime, got {type(run_at).__name__}")
-    if run_at.tzinfo is None or run_at.utcoffset() is None:
+    try:
+        offset = run_at.utcoffset()
+    except Exception as exc:  # a tzinfo of the caller's that cannot say
+        raise InvalidOption("run_at", f"its time zone failed to give an offset: {exc}") from None
+    if offset is None:
         raise InvalidOption("run_at", "must be timezone-aware (e.g. datetime.now(UTC))")
-    return run_at
+    # Compared before converting: converting an instant outside Python's range overflows.
+    if not RUN_AT_MIN <= run_at <= RUN_AT_MAX:
+        raise InvalidOption(
+            "run_at",
+            f"must be between {RUN_AT_MIN.date()} and {RUN_AT_MAX.date()} (UTC), "
+            f"got {run_at.isoformat()}",
+        )
+    return run_at.astimezone(UTC)
 
 
 def check_idempotency_key(key: Any) -> str | None:
     if key is None:
         return None
-    if isinstance(key, str) and "\x00" in key:
-        raise InvalidOption("idempotency_key", "must not contain a NUL character")
+    if isinstance(key, str) and (problem := unicode_problem(key)) is not None:
+        raise InvalidOption("idempotency_key", f"must not contain {problem}")
     if not isinstance(key, str) or not 1 <= len(key) <= MAX_IDEMPOTENCY_KEY:
         raise InvalidOption(
             "idempotency_key", f"must be a non-empty string of at most {MAX_IDEMPOTENCY_KEY} chars"
@@ -189,5 +309,44 @@ def check_timeout(timeout: Any, *, maximum: float) -> float:
         or not isinstance(timeout, int | float)
         or not 0 < timeout <= maximum
     ):
-        raise InvalidOption("timeout", f"must be seconds in (0, {maximum:g}], got {timeout!r}")
+        raise InvalidOption("timeout", f"must be seconds in (0, {maximum:g}], got {shown(timeout)}")
     return float(timeout)
+
+
+MAX_QUEUE = 200  # characters of a queue name
+MAX_TENANT = MAX_QUEUE  # characters of a tenant (fairness key)
+
+
+# What check_name allows, as a JSON-schema pattern (for the API's documents): no control
+# character (Unicode category Cc), at least one character that is not whitespace.
+NAME_PATTERN = r"^[^\x00-\x1f\x7f-\x9f]*[^\s\x00-\x1f\x7f-\x9f][^\x00-\x1f\x7f-\x9f]*$"
+
+
+def check_queue(queue: Any) -> str:
+    """A queue name (``queue=`` of a job, and what pause and resume take): text of 1 to
+    :data:`MAX_QUEUE` characters, not only whitespace, no control character, storable."""
+    return check_name(queue, "queue", MAX_QUEUE)
+
+
+def check_tenant(tenant: Any) -> str | None:
+    """A job's fairness key (``tenant=`` of enqueue): None (no tenant), or a name under the
+    rules of a queue name (1 to :data:`MAX_TENANT` characters, not only whitespace, no control
+    character, storable)."""
+    return None if tenant is None else check_name(tenant, "tenant", MAX_TENANT)
+
+
+def check_name(value: Any, option: str, most: int) -> str:
+    """A name given as ``option``: text of 1 to ``most`` characters, not only whitespace, no
+    control character, storable; raises InvalidOption naming ``option``."""
+    if not isinstance(value, str):
+        raise InvalidOption(option, f"must be text, got {shown(value)}")
+    if not value.strip():
+        raise InvalidOption(option, "must not be empty or only whitespace")
+    if len(value) > most:
+        raise InvalidOption(option, f"must be at most {most} characters, got {len(value)}")
+    problem = unicode_problem(value)
+    if problem is not None:
+        raise InvalidOption(option, f"must not contain {problem}")
+    if any(unicodedata.category(c) == "Cc" for c in value):
+        raise InvalidOption(option, f"must not contain control characters, got {shown(value)}")
+    return value

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import secrets
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 import pytest
@@ -22,6 +22,7 @@ from harvest.settings import Settings
 if TYPE_CHECKING:
     from harvest.app import Harvest
     from harvest.runner import Runner
+    from tests.pgbouncer import PgBouncer
 
 
 def _service_urls() -> tuple[str, str]:
@@ -48,13 +49,47 @@ ADMIN_URL, REDIS_BASE = _service_urls()
 OWNER_KEY = "harvest:test:owner"
 
 
+# Replace the owner only if it is still the one seen (a compare-and-set).
+_TAKE_OVER = (
+    "if redis.call('GET', KEYS[1]) == ARGV[1] then "
+    "return redis.call('SET', KEYS[1], ARGV[2], 'EX', ARGV[3]) else return nil end"
+)
+
+
+def _owner_gone(owner: bytes | None) -> bool:
+    """True when the run that claimed a db number is no longer alive (a run killed before its
+    teardown leaves its owner key for 4 hours)."""
+    if owner is None:
+        return False
+    try:
+        pid = int(owner.rsplit(b":", 1)[-1])  # "pid", or "label:pid"
+    except ValueError:
+        return False
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # alive, another user's
+        return False
+    return False
+
+
 def _claim_redis_db() -> int:
+    me = f"{os.getpid()}"
     for db in range(1, 16):
         client = redis.Redis.from_url(f"{REDIS_BASE}/{db}")
         try:
-            if client.set(OWNER_KEY, f"{os.getpid()}", nx=True, ex=4 * 3600):
+            claimed = client.set(OWNER_KEY, me, nx=True, ex=4 * 3600)
+            if not claimed:
+                owner = client.get(OWNER_KEY)
+                claimed = _owner_gone(owner) and bool(
+                    client.eval(_TAKE_OVER, 1, OWNER_KEY, owner, me, 4 * 3600)
+                )
+            if claimed:
                 client.flushdb()
-                client.set(OWNER_KEY, f"{os.getpid()}", ex=4 * 3600)
+                client.set(OWNER_KEY, me, ex=4 * 3600)
                 return db
         finally:
             client.close()
@@ -88,6 +123,17 @@ def settings(database_name: str, redis_db: int) -> Settings:
         redis_url=f"{REDIS_BASE}/{redis_db}",
         secret_key=None,
     )
+
+
+@pytest.fixture(scope="session")
+def pgbouncer() -> Iterator[PgBouncer]:
+    """This run's own PgBouncer in transaction mode, in front of the test Postgres."""
+    from tests.pgbouncer import PgBouncer
+
+    server = psycopg.conninfo.conninfo_to_dict(ADMIN_URL)
+    bouncer = PgBouncer(str(server.get("host") or "127.0.0.1"), int(server.get("port") or 5432))
+    yield bouncer
+    bouncer.stop()
 
 
 @pytest.fixture(scope="session")
@@ -151,10 +197,37 @@ def effects(engine: Engine) -> Engine:
 
 
 @pytest.fixture
+def jobs_app(
+    migrated: Settings,
+    clean_db: Engine,
+    effects: Engine,
+    redis_client: redis.Redis,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[Callable[..., Harvest]]:
+    """Make a Harvest with the jobs of ``tests.jobs`` on the emptied test database and Redis db:
+    ``jobs_app({"lease_ttl": 0.6}, redis_client=...)`` (settings changed by the dict, keyword
+    arguments for Harvest). Every one made is closed after the test."""
+    from harvest.app import Harvest
+
+    monkeypatch.setenv("HARVEST_DATABASE_URL", migrated.database_url)  # tests.jobs effects
+    made: list[Harvest] = []
+
+    def make(update: dict[str, Any] | None = None, **kwargs: Any) -> Harvest:
+        harvest = Harvest(migrated.model_copy(update=update or {}), **kwargs)
+        harvest.load_imports(["tests.jobs"])
+        made.append(harvest)
+        return harvest
+
+    yield make
+    for harvest in made:
+        harvest.close()
+
+
+@pytest.fixture
 def runner(app: Harvest) -> Iterator[Runner]:
     """The worker's Runner, in-process, on the test module's ``app`` fixture."""
     from harvest.runner import Runner
 
     r = Runner(app)
     yield r
-    r.heartbeat.stop()
+    r.close()

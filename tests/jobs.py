@@ -138,3 +138,97 @@ def fails_slowly(ctx: JobContext, seconds: float = 1.0) -> None:
         )
     time.sleep(seconds)
     raise RuntimeError("failed after the cancel request")
+
+
+# --- async handlers (run on each worker process's event loop) ---------------------------------
+
+_async_pools: dict[int, Any] = {}
+
+
+async def _record(ctx: JobContext) -> None:
+    """One effect row, through a small connection pool of this process's event loop."""
+    import asyncio
+
+    from psycopg_pool import AsyncConnectionPool
+
+    loop = id(asyncio.get_running_loop())
+    pool = _async_pools.get(loop)
+    if pool is None:
+        url = os.environ["HARVEST_DATABASE_URL"].replace("postgresql+psycopg://", "postgresql://")
+        pool = AsyncConnectionPool(
+            url,
+            min_size=1,
+            max_size=4,
+            # Nothing prepared: the tests run these workers behind PgBouncer too.
+            kwargs={"autocommit": True, "prepare_threshold": None},
+            open=False,
+        )
+        await pool.open()
+        _async_pools[loop] = pool
+    async with pool.connection() as conn:
+        await conn.execute(
+            "INSERT INTO test_effects (job_id, attempt, pid) VALUES (%s, %s, %s)",
+            (ctx.job_id, ctx.attempt, os.getpid()),
+        )
+
+
+@app.job("async_effect", max_attempts=5, retry=FAST_RETRY, timeout=60)
+async def async_effect(ctx: JobContext, seconds: float = 0.0) -> dict[str, Any]:
+    """Waits ``seconds`` (as a network call would), then records one effect row."""
+    import asyncio
+
+    await asyncio.sleep(seconds)
+    await _record(ctx)
+    return {"attempt": ctx.attempt}
+
+
+@app.job("async_timed_out", max_attempts=2, retry=FAST_RETRY, timeout=0.5)
+async def async_timed_out(ctx: JobContext) -> None:
+    import asyncio
+
+    await _record(ctx)
+    await asyncio.sleep(30)
+
+
+@app.job("async_cancellable", max_attempts=3, retry=FAST_RETRY, timeout=120)
+async def async_cancellable(ctx: JobContext, seconds: float = 60.0) -> dict[str, Any]:
+    """Records that it started, then waits (never looking at ctx.cancelled): cancelling the
+    job must stop it (CancelledError inside the await)."""
+    import asyncio
+
+    await _record(ctx)
+    await asyncio.sleep(seconds)
+    return {"stopped": "done"}
+
+
+@app.job("async_call_api", pool="test-pool", max_attempts=5, retry=FAST_RETRY, timeout=30)
+async def async_call_api(ctx: JobContext, url: str, hold: float = 0.0) -> dict[str, Any]:
+    """call_api's async twin: the leased key through ctx.aclient()."""
+    assert ctx.lease is not None
+    async with ctx.aclient() as http:
+        params = {"fence": ctx.lease.fence, "hold": hold, "job": ctx.job_id}
+        response = await http.get(url, params=params)
+    if response.status_code == 429:
+        ctx.rate_limited(float(response.headers.get("Retry-After", "1")))
+    if response.status_code in (401, 403):
+        ctx.key_rejected(f"HTTP {response.status_code}")
+    response.raise_for_status()
+    await _record(ctx)
+    return {"key_id": ctx.lease.key_id}
+
+
+@app.job("async_token_call", pool="token-pool", cost=600, max_attempts=5, retry=FAST_RETRY)
+async def async_token_call(
+    ctx: JobContext, url: str, extra: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """One call that reserves 600 tokens (the most the service draws) and reports what the
+    service says it used: the rest is refunded to the key's token budget. ``extra`` goes in
+    the request body (the service's ``latency`` and ``tokens`` overrides)."""
+    body = {"job": ctx.job_id, "attempt": ctx.attempt, **(extra or {})}
+    async with ctx.aclient() as http:
+        response = await http.post(url, json=body)
+    if response.status_code == 429:
+        ctx.rate_limited(float(response.headers.get("Retry-After", "1")))
+    response.raise_for_status()
+    ctx.used(tokens=response.json()["usage"]["total_tokens"])
+    return {"key_id": ctx.lease.key_id if ctx.lease else None}

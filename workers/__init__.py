@@ -1,6 +1,8 @@
-"""The Celery side of harvest: ``celery -A workers worker -Q execution`` (or ``-Q schedule``),
-and ``celery -A workers beat``."""
+"""This repository's deployment of harvest (the Procfile and docker-compose.yml run
+``celery -A workers ...``): harvest's own Celery app, importable from the repository root and
+never installed. A project of yours starts ``celery -A harvest.worker`` instead, or attaches
+harvest to its own app with :func:`harvest.install`."""
 
-from workers.celery_app import app
+from harvest.worker import app
 
 __all__ = ["app"]

@@ -10,6 +10,8 @@ import os
 
 from celery import Celery
 
+from bench.baselines.plain import plain_celery
+
 QUEUE = "bench_plain"
 TASK = "bench.plain_noop"
 PRIORITY_STEPS = (0, 3, 6, 9)  # kombu's Redis transport: one list per priority step
@@ -17,17 +19,7 @@ SEP = "\x06\x16"
 
 
 def make_app(broker_url: str) -> Celery:
-    app = Celery("bench_plain", broker=broker_url)
-    app.conf.update(
-        task_acks_late=True,
-        task_ignore_result=True,
-        result_backend=None,
-        task_serializer="json",
-        accept_content=["json"],
-        task_default_queue=QUEUE,
-        broker_connection_retry_on_startup=True,
-        worker_hijack_root_logger=False,
-    )
+    app = plain_celery("bench_plain", broker_url, QUEUE)
 
     @app.task(name=TASK)
     def noop() -> None:
@@ -36,9 +28,9 @@ def make_app(broker_url: str) -> Celery:
     return app
 
 
-def queue_keys() -> list[str]:
+def queue_keys(queue: str = QUEUE) -> list[str]:
     """The Redis lists that hold the queue's waiting messages."""
-    return [QUEUE if step == 0 else f"{QUEUE}{SEP}{step}" for step in PRIORITY_STEPS]
+    return [queue if step == 0 else f"{queue}{SEP}{step}" for step in PRIORITY_STEPS]
 
 
 app = make_app(os.environ.get("BENCH_BROKER_URL", "redis://127.0.0.1:6379/15"))

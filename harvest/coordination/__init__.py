@@ -5,9 +5,10 @@ name is built in :mod:`harvest.coordination.keys`.
 """
 
 from harvest.coordination.key_pool import Busy, KeyPool, KeySpec, KeyState, Lease
-from harvest.coordination.lock import LeaderElector, Leadership, Lock, LockNotAcquired
+from harvest.coordination.lock import LeaderElector, Leadership, Lock
 from harvest.coordination.rate_limit import Rate, RateLimiter, parse_rate
-from harvest.coordination.semaphore import Semaphore, SemaphoreBusy
+from harvest.coordination.semaphore import Semaphore
+from harvest.errors import LockNotAcquired, SemaphoreBusy
 
 __all__ = [
     "Busy",

@@ -2,9 +2,19 @@
 
 Keys and their secrets live in Postgres; :meth:`KeyPool.sync` copies each key's limits and
 status into Redis. A lease is taken in one Lua script that purges expired leases, skips keys that
-are disabled, cooling down, at their concurrency or at their rate limit, and takes the lease and
-one rate permit together. Leases expire on the Redis clock, so a dead holder's key comes back by
-itself within its TTL; no sweeper is needed for correctness.
+are disabled, cooling down, at their concurrency, at their rate limit or (for a call that declares
+its cost in tokens) without room in their token budget, and takes the lease, one rate permit and
+the token reservation together; the release settles the reservation with what the call used.
+Leases expire on the Redis clock, so a dead holder's key comes back by itself within its TTL; no
+sweeper is needed for correctness (a dead holder's token reservation stays until its window
+passes it).
+
+Limits learned from the service: a 429 on a key whose declared limits had room lowers its
+effective concurrency and rate (multiplicative decrease, :data:`LEARNING`), and calls that succeed
+grow them back (additive increase), never above what was declared; the rate-limit headers a
+handler reports (``ctx.observe``) become the key's announced state, which the lease script admits
+by until its reset. All of it in the same scripts, on the Redis clock; it lives in Redis only (a
+pool rebuilt after Redis lost it starts again from the declared limits).
 """
 
 from __future__ import annotations
@@ -14,18 +24,42 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Literal, cast, get_args
+from typing import Any
 
 from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
 
 from harvest.coordination import keys
+from harvest.coordination.key_state import (
+    LEARNING,
+    STATE_FIELDS,
+    STATUSES,
+    KeyState,
+    Learning,
+    Status,
+    Throttled,
+)
 from harvest.coordination.rate_limit import Rate
-from harvest.coordination.scripts import LuaScript, micros, text
+from harvest.coordination.scripts import AsyncLuaScript, LuaScript, micros
 from harvest.coordination.scripts import seconds as to_seconds
 from harvest.errors import NoKeyAvailable, PoolNotLoaded
+from harvest.service_limits import NOTHING, Announced
 
-Status = Literal["active", "cooling", "disabled"]
-STATUSES: tuple[str, ...] = get_args(Status)
+__all__ = [
+    "LEARNING",
+    "STATUSES",
+    "AsyncKeyPool",
+    "Busy",
+    "KeyPool",
+    "KeySpec",
+    "KeyState",
+    "Learning",
+    "Lease",
+    "Status",
+    "Throttled",
+    "check_cost",
+]  # fmt: skip
+
 MAX_BATCH = 1000
 IDLE_RETRY = 1.0  # retry hint when no key can free up by time alone (none, or all disabled)
 _POLL_MAX = 0.25
@@ -40,6 +74,7 @@ class KeySpec:
     rate: Rate | None = None
     status: Status = "active"
     cooldown_until: float | None = None  # seconds since the epoch
+    tokens: Rate | None = None  # token budget: ``count`` tokens per ``period`` (None: no budget)
 
     def __post_init__(self) -> None:
         if isinstance(self.key_id, bool) or not isinstance(self.key_id, int) or self.key_id < 0:
@@ -53,10 +88,12 @@ class KeySpec:
             raise ValueError(f"key {self.key_id}: status 'cooling' needs cooldown_until")
         if self.rate is not None and not isinstance(self.rate, Rate):
             raise ValueError(f"key {self.key_id}: invalid rate {self.rate!r}: use parse_rate()")
+        if self.tokens is not None and not isinstance(self.tokens, Rate):
+            raise ValueError(f"key {self.key_id}: invalid token budget {self.tokens!r}: use Rate")
 
     def as_args(self) -> list[str | int]:
-        """The six values ``pool_sync.lua`` takes per key."""
-        rate = self.rate
+        """The eight values ``pool_sync.lua`` takes per key."""
+        rate, tokens = self.rate, self.tokens
         cool = micros(self.cooldown_until) if self.cooldown_until is not None else 0
         return [
             str(self.key_id),
@@ -65,6 +102,8 @@ class KeySpec:
             rate.period_micros if rate else 0,
             self.status,
             cool,
+            tokens.count if tokens else 0,
+            tokens.period_micros if tokens else 0,
         ]
 
 
@@ -77,46 +116,122 @@ class Lease:
     token: str
     fence: int
     expires_at: float
+    cost: int = 0  # tokens reserved on the key (settled at release with what the call used)
 
 
 @dataclass(frozen=True)
 class Busy:
-    """No key could be leased now; one could be in about ``retry_after`` seconds."""
+    """No key could be leased now; one could be in about ``retry_after`` seconds (``never``: the
+    call's token cost is above every key's budget, no wait helps)."""
 
     retry_after: float
+    never: bool = False
 
 
-@dataclass(frozen=True)
-class KeyState:
-    """One key as Redis sees it right now (for the CLI and metrics)."""
+class _PoolShape:
+    """What a pool's scripts are called with, and how their replies read: shared by the
+    blocking :class:`KeyPool` and the asyncio :class:`AsyncKeyPool`, which differ only in I/O."""
 
-    key_id: int
-    status: Status
-    live_leases: int
-    max_concurrency: int
-    cooldown_until: float | None
-    rate: Rate | None
-    rate_used: int
+    def __init__(self, pool: str) -> None:
+        self.pool = keys.check_name("pool", pool)
+        self._prefix = keys.pool_prefix(pool)
+        self._epoch = keys.pool_epoch(pool)
+        self._members = keys.pool_members(pool)
 
-    @property
-    def available(self) -> int:
-        """Leases this key could grant right now: min(free concurrency, rate permits left)."""
-        if self.status != "active":
-            return 0
-        free = self.max_concurrency - self.live_leases
-        if self.rate is not None:
-            free = min(free, self.rate.count - self.rate_used)
-        return max(free, 0)
+    def _lease_call(
+        self, holder: str, ttl: float, n: int, cost: int = 0
+    ) -> tuple[list[str], list[Any], list[str]]:
+        """(keys, args, tokens) of ``pool_lease.lua`` for ``n`` leases of ``cost`` tokens."""
+        _check_ttl(ttl)
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_BATCH:
+            raise ValueError(f"invalid lease count {n!r}: must be 1..{MAX_BATCH}")
+        check_cost(cost)
+        tokens = [f"{secrets.token_hex(8)}:{holder}" for _ in range(n)]
+        script_keys = [
+            self._epoch,
+            self._members,
+            keys.pool_cursor(self.pool),
+            keys.pool_fence(self.pool),
+        ]
+        return script_keys, [self._prefix, micros(ttl), cost, *tokens], tokens
 
-    @classmethod
-    def from_reply(cls, row: Sequence[Any]) -> KeyState:
-        key_id, status, live, mc, cool, rate_n, rate_us, used = row
-        rate = Rate(int(rate_n), to_seconds(int(rate_us))) if int(rate_n) > 0 else None
-        cooldown = to_seconds(int(cool)) if int(cool) else None
-        return cls(int(key_id), _status(status), int(live), int(mc), cooldown, rate, int(used))
+    def _leases_from(
+        self, reply: list[Any], tokens: list[str], cost: int = 0
+    ) -> list[Lease] | Busy:
+        granted = int(reply[0])
+        if granted < 0:
+            raise PoolNotLoaded(self.pool)
+        if granted == 0:
+            retry_us = int(reply[1])
+            return Busy(IDLE_RETRY if retry_us < 0 else to_seconds(retry_us), retry_us == -2)
+        rows = reply[2:]
+        return [
+            Lease(
+                self.pool,
+                int(rows[i * 3]),
+                tokens[i],
+                int(rows[i * 3 + 1]),
+                to_seconds(int(rows[i * 3 + 2])),
+                cost,
+            )
+            for i in range(granted)
+        ]
+
+    def _leases_key(self, lease: Lease) -> str:
+        if lease.pool != self.pool:
+            raise ValueError(f"lease of pool {lease.pool!r} given to pool {self.pool!r}")
+        return keys.pool_key_leases(self.pool, lease.key_id)
+
+    def _release_call(
+        self,
+        lease: Lease,
+        used: int | None,
+        succeeded: bool = False,
+        announced: Announced | None = None,
+    ) -> tuple[list[str], list[Any]]:
+        """(keys, args) of ``pool_release.lua``: free ``lease``, settle its reservation, grow
+        the key's learned limits back when the call ``succeeded``, keep what it ``announced``."""
+        if used is not None:
+            check_cost(used, "used tokens")
+        script_keys = [
+            self._leases_key(lease),
+            keys.pool_key_tokens(self.pool, lease.key_id),
+            keys.pool_key_config(self.pool, lease.key_id),
+        ]
+        learn = [1 if succeeded else 0, LEARNING.recover, LEARNING.step]
+        said = announced.as_args() if announced is not None else NOTHING
+        return script_keys, [
+            lease.token, lease.fence, lease.cost, -1 if used is None else used, *learn, *said
+        ]  # fmt: skip
+
+    def _throttle_call(
+        self, lease: Lease, seconds: float, exhausted: bool
+    ) -> tuple[list[str], list[Any]]:
+        """(keys, args) of ``pool_key_admin.lua`` throttle: a 429 on ``lease``."""
+        if not seconds > 0:
+            raise ValueError(f"invalid cooldown {seconds!r}: must be > 0 seconds")
+        script_keys, args = self._admin_call(lease.key_id, "throttle", micros(seconds))
+        script_keys += [
+            keys.pool_fence(self.pool),
+            self._leases_key(lease),
+            keys.pool_key_rate(self.pool, lease.key_id),
+            keys.pool_key_tokens(self.pool, lease.key_id),
+        ]
+        return script_keys, [*args, lease.fence, LEARNING.beta, 1 if exhausted else 0]
+
+    @staticmethod
+    def _throttled(reply: Any) -> Throttled | None:
+        if not isinstance(reply, list):
+            return None  # the key is not in the pool
+        until, lowered, max_concurrency, rate = (int(v) for v in reply)
+        return Throttled(to_seconds(until), bool(lowered), max_concurrency, rate)
+
+    def _admin_call(self, key_id: int, action: str, arg: int = 0) -> tuple[list[str], list[Any]]:
+        config = keys.pool_key_config(self.pool, key_id)
+        return [self._members, config], [str(int(key_id)), action, arg]
 
 
-class KeyPool:
+class KeyPool(_PoolShape):
     """The live state of one named pool of API keys, shared by every worker through Redis."""
 
     def __init__(self, redis: Redis, pool: str) -> None:
@@ -124,10 +239,7 @@ class KeyPool:
         :param redis: the coordination Redis client.
         :param pool: the pool's name (letters, digits and ``_.:/@=+-``).
         """
-        self.pool = keys.check_name("pool", pool)
-        self._prefix = keys.pool_prefix(pool)
-        self._epoch = keys.pool_epoch(pool)
-        self._members = keys.pool_members(pool)
+        super().__init__(pool)
         self._redis = redis
         self._sync = LuaScript(redis, "pool_sync")
         self._lease = LuaScript(redis, "pool_lease")
@@ -166,57 +278,33 @@ class KeyPool:
 
     # --- leasing ------------------------------------------------------------------------------
 
-    def lease(self, holder: str, ttl: float) -> Lease | Busy:
+    def lease(self, holder: str, ttl: float, *, cost: int = 0) -> Lease | Busy:
         """Lease the least loaded usable key now, or say how long to wait.
 
         :param holder: who holds it (part of the token, for debugging).
         :param ttl: seconds until the lease expires unless heartbeated.
+        :param cost: tokens the call will use, reserved on the key's token budget (0: none).
         :raises PoolNotLoaded: Redis holds no state for this pool.
         """
-        result = self.lease_many(holder, ttl, 1)
+        result = self.lease_many(holder, ttl, 1, cost=cost)
         return result if isinstance(result, Busy) else result[0]
 
-    def lease_many(self, holder: str, ttl: float, n: int) -> list[Lease] | Busy:
-        """Lease up to ``n`` keys (spread over keys, least loaded first) in one script.
+    def lease_many(self, holder: str, ttl: float, n: int, *, cost: int = 0) -> list[Lease] | Busy:
+        """Lease up to ``n`` keys (spread over keys, least loaded first) in one script, each
+        reserving ``cost`` tokens.
 
         Returns the leases granted (maybe fewer than ``n``), or :class:`Busy` when none was.
         """
-        _check_ttl(ttl)
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_BATCH:
-            raise ValueError(f"invalid lease count {n!r}: must be 1..{MAX_BATCH}")
-        tokens = [f"{secrets.token_hex(8)}:{holder}" for _ in range(n)]
-        reply = self._lease.array(
-            [self._epoch, self._members, keys.pool_cursor(self.pool), keys.pool_fence(self.pool)],
-            [self._prefix, micros(ttl), *tokens],
-        )
-        return self._leases_from(reply, tokens)
+        script_keys, args, tokens = self._lease_call(holder, ttl, n, cost)
+        return self._leases_from(self._lease.array(script_keys, args), tokens, cost)
 
-    def _leases_from(self, reply: list[Any], tokens: list[str]) -> list[Lease] | Busy:
-        granted = int(reply[0])
-        if granted < 0:
-            raise PoolNotLoaded(self.pool)
-        if granted == 0:
-            retry_us = int(reply[1])
-            return Busy(IDLE_RETRY if retry_us < 0 else to_seconds(retry_us))
-        rows = reply[2:]
-        return [
-            Lease(
-                self.pool,
-                int(rows[i * 3]),
-                tokens[i],
-                int(rows[i * 3 + 1]),
-                to_seconds(int(rows[i * 3 + 2])),
-            )
-            for i in range(granted)
-        ]
-
-    def acquire(self, holder: str, ttl: float, *, timeout: float) -> Lease:
+    def acquire(self, holder: str, ttl: float, *, timeout: float, cost: int = 0) -> Lease:
         """Lease a key, waiting up to ``timeout`` seconds.
 
         :raises NoKeyAvailable: no key was free in time (carries the pool's retry estimate).
         """
         deadline = time.monotonic() + timeout
-        while isinstance(result := self.lease(holder, ttl), Busy):
+        while isinstance(result := self.lease(holder, ttl, cost=cost), Busy):
             left = deadline - time.monotonic()
             if left <= 0:
                 raise NoKeyAvailable(self.pool, result.retry_after)
@@ -254,14 +342,43 @@ class KeyPool:
         until = self._heartbeat.integer([self._leases_key(lease)], [lease.token, micros(ttl)])
         return to_seconds(until) if until else None
 
-    def release(self, lease: Lease) -> bool:
-        """Free ``lease``; False when it was already lost (reported, never raised)."""
-        return bool(self._release.integer([self._leases_key(lease)], [lease.token]))
+    def release(
+        self,
+        lease: Lease,
+        *,
+        used: int | None = None,
+        succeeded: bool = False,
+        announced: Announced | None = None,
+    ) -> bool:
+        """Free ``lease``; False when it was already lost (reported, never raised).
 
-    def _leases_key(self, lease: Lease) -> str:
-        if lease.pool != self.pool:
-            raise ValueError(f"lease of pool {lease.pool!r} given to pool {self.pool!r}")
-        return keys.pool_key_leases(self.pool, lease.key_id)
+        :param used: tokens the call used: its reservation becomes that (more is charged; less
+            is refunded, unless the lease was lost). None: the reservation stands as charged.
+        :param succeeded: the call succeeded: a key whose limits were lowered grows them back.
+        :param announced: what the service's rate-limit headers said is left (the key admits
+            by it until its reset).
+        """
+        call = self._release_call(lease, used, succeeded, announced)
+        return bool(self._release.integer(*call))
+
+    def throttle(
+        self, lease: Lease, seconds: float, *, exhausted: bool = False
+    ) -> Throttled | None:
+        """The call made with ``lease`` got a 429: rest its key ``seconds``, and lower its
+        effective limits when its declared ones had room (see :class:`Learning`).
+
+        :param exhausted: the 429's own headers said nothing was left (no lowering then).
+        :returns: what was done, or None when the key is not in the pool.
+        """
+        return self._throttled(self._admin(*self._throttle_call(lease, seconds, exhausted)))
+
+    def heartbeat_many(self, leases: Sequence[Lease], ttl: float) -> list[bool]:
+        """Extend many leases in one round trip (a pipeline); False for each one lost."""
+        _check_ttl(ttl)
+        pipe = self._redis.pipeline(transaction=False)
+        for lease in leases:
+            self._heartbeat([self._leases_key(lease)], [lease.token, micros(ttl)], client=pipe)
+        return [bool(int(v)) for v in pipe.execute()]
 
     # --- key status ---------------------------------------------------------------------------
 
@@ -284,9 +401,13 @@ class KeyPool:
         """Undo :meth:`disable` (a running cooldown still holds); False when not in the pool."""
         return bool(self._key_action(key_id, "enable"))
 
+    def end_cooldown(self, key_id: int) -> bool:
+        """End a running cooldown now (an operator's say-so; a disabled key stays disabled);
+        False when the key is not in the pool."""
+        return bool(self._key_action(key_id, "uncool"))
+
     def _key_action(self, key_id: int, action: str, arg: int = 0) -> int:
-        config = keys.pool_key_config(self.pool, key_id)
-        return self._admin.integer([self._members, config], [str(int(key_id)), action, arg])
+        return self._admin.integer(*self._admin_call(key_id, action, arg))
 
     # --- reading ------------------------------------------------------------------------------
 
@@ -299,19 +420,79 @@ class KeyPool:
         if int(reply[0]) < 0:
             raise PoolNotLoaded(self.pool)
         rows = reply[2:]
-        return [KeyState.from_reply(rows[i : i + 8]) for i in range(0, len(rows), 8)]
+        n = STATE_FIELDS
+        return [KeyState.from_reply(rows[i : i + n]) for i in range(0, len(rows), n)]
 
     def capacity(self) -> int:
         """How many leases could be granted right now across the pool."""
         return sum(state.available for state in self.snapshot())
 
 
-def _status(value: bytes | str) -> Status:
-    status = text(value)
-    for known in get_args(Status):
-        if status == known:
-            return cast(Status, known)
-    raise ValueError(f"unexpected key status in Redis: {status!r}")
+class AsyncKeyPool(_PoolShape):
+    """:class:`KeyPool`'s hot path for an asyncio client: the same scripts, awaited."""
+
+    def __init__(self, redis: AsyncRedis, pool: str) -> None:
+        super().__init__(pool)
+        self._redis = redis
+        self._lease = AsyncLuaScript(redis, "pool_lease")
+        self._heartbeat = AsyncLuaScript(redis, "pool_heartbeat")
+        self._release = AsyncLuaScript(redis, "pool_release")
+        self._admin = AsyncLuaScript(redis, "pool_key_admin")
+
+    async def lease(self, holder: str, ttl: float, *, cost: int = 0) -> Lease | Busy:
+        """See :meth:`KeyPool.lease`. :raises PoolNotLoaded: Redis holds no such pool."""
+        script_keys, args, tokens = self._lease_call(holder, ttl, 1, cost)
+        result = self._leases_from(await self._lease.array(script_keys, args), tokens, cost)
+        return result if isinstance(result, Busy) else result[0]
+
+    async def heartbeat_many(self, leases: Sequence[Lease], ttl: float) -> list[bool]:
+        """See :meth:`KeyPool.heartbeat_many`."""
+        _check_ttl(ttl)
+        pipe = self._redis.pipeline(transaction=False)
+        for lease in leases:
+            key = [self._leases_key(lease)]
+            await self._heartbeat(key, [lease.token, micros(ttl)], client=pipe)
+        return [bool(int(v)) for v in await pipe.execute()]
+
+    async def release(
+        self,
+        lease: Lease,
+        *,
+        used: int | None = None,
+        succeeded: bool = False,
+        announced: Announced | None = None,
+    ) -> bool:
+        """See :meth:`KeyPool.release`."""
+        call = self._release_call(lease, used, succeeded, announced)
+        return bool(await self._release.integer(*call))
+
+    async def throttle(
+        self, lease: Lease, seconds: float, *, exhausted: bool = False
+    ) -> Throttled | None:
+        """See :meth:`KeyPool.throttle`."""
+        call = self._throttle_call(lease, seconds, exhausted)
+        return self._throttled(await self._admin(*call))
+
+    async def cooldown(self, key_id: int, seconds: float) -> float | None:
+        """See :meth:`KeyPool.cooldown`."""
+        if not seconds > 0:
+            raise ValueError(f"invalid cooldown {seconds!r}: must be > 0 seconds")
+        until = await self._admin.integer(*self._admin_call(key_id, "cooldown", micros(seconds)))
+        return to_seconds(until) if until else None
+
+    async def disable(self, key_id: int) -> bool:
+        """See :meth:`KeyPool.disable`."""
+        return bool(await self._admin.integer(*self._admin_call(key_id, "disable")))
+
+
+MAX_COST = 10**12
+
+
+def check_cost(value: object, what: str = "cost") -> int:
+    """A whole number of tokens, 0..10^12 (0: none)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COST:
+        raise ValueError(f"invalid {what} {value!r}: must be a whole number of tokens >= 0")
+    return value
 
 
 def _check_ttl(ttl: float) -> None:

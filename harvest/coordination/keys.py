@@ -5,8 +5,9 @@ semaphore, one limiter) live in the same Redis Cluster slot and one script may t
 
 Two scripts touch per-API-key structures whose names depend on data (``lease.lua``,
 ``pool_sync.lua`` and friends): they receive :func:`pool_prefix` and append the suffixes below,
-so :func:`pool_key_config`, :func:`pool_key_leases` and :func:`pool_key_rate` must stay in step
-with ``KEY_CONFIG``, ``KEY_LEASES`` and ``KEY_RATE`` (the Lua files use the same literals).
+so :func:`pool_key_config`, :func:`pool_key_leases`, :func:`pool_key_rate` and
+:func:`pool_key_tokens` must stay in step with ``KEY_CONFIG``, ``KEY_LEASES``, ``KEY_RATE`` and
+``KEY_TOKENS`` (the Lua files use the same literals).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ PREFIX = "harvest:"
 KEY_CONFIG = "key:"
 KEY_LEASES = "leases:"
 KEY_RATE = "rate:"
+KEY_TOKENS = "tokens:"
 
 _NAME = re.compile(r"^[A-Za-z0-9_.:/@=+-]{1,200}$")
 
@@ -118,7 +120,8 @@ def pool_fence(pool: str) -> str:
 
 
 def pool_key_config(pool: str, key_id: int) -> str:
-    """HASH of one key: max, rate_n, rate_us, status, cool_until (microseconds, 0 = none)."""
+    """HASH of one key: max, rate_n, rate_us, status, cool_until (microseconds, 0 = none),
+    tpm, tpm_us (0 = no token budget)."""
     return f"{pool_prefix(pool)}{KEY_CONFIG}{int(key_id)}"
 
 
@@ -132,9 +135,55 @@ def pool_key_rate(pool: str, key_id: int) -> str:
     return f"{pool_prefix(pool)}{KEY_RATE}{int(key_id)}"
 
 
+def pool_key_tokens(pool: str, key_id: int) -> str:
+    """ZSET "<fence>:<tokens>" -> grant time (microseconds): one key's sliding token window
+    (a live call's reservation at its declared cost, an ended call at what it used)."""
+    return f"{pool_prefix(pool)}{KEY_TOKENS}{int(key_id)}"
+
+
 # --- dispatch nudges ------------------------------------------------------------------------
 
 
 def nudge() -> str:
     """``SET NX PX`` marker that coalesces dispatch nudges across all enqueuing processes."""
     return f"{PREFIX}nudge"
+
+
+# --- worker registry ------------------------------------------------------------------------
+
+
+def worker_index() -> str:
+    """ZSET worker id -> expiry (Redis time, milliseconds) of every live execution process."""
+    return f"{PREFIX}workers"
+
+
+def worker_info(worker_id: str) -> str:
+    """HASH of one worker process: what it is, what it can run, what it runs now."""
+    return f"{PREFIX}worker:{worker_id}"
+
+
+# --- dashboard login throttling (harvest.web.throttle) ----------------------------------------
+# One hash tag for all of them: one script reads an address's and a user's keys together.
+# Addresses and user names are hashed: no user name (or password typed in its place) is stored.
+
+LOGIN_PREFIX = f"{PREFIX}{{web-login}}:"
+
+
+def login_address_failures(address_hash: str) -> str:
+    """STRING counter of failed logins from one client address (expires after a quiet window)."""
+    return f"{LOGIN_PREFIX}fails:addr:{address_hash}"
+
+
+def login_address_lock(address_hash: str) -> str:
+    """STRING with a PX expiry: while it exists, logins from the address are refused (429)."""
+    return f"{LOGIN_PREFIX}lock:addr:{address_hash}"
+
+
+def login_user_failures(user_hash: str) -> str:
+    """STRING counter of failed logins for one user name, from any address."""
+    return f"{LOGIN_PREFIX}fails:user:{user_hash}"
+
+
+def login_known(user_hash: str, address_hash: str) -> str:
+    """STRING with an expiry: the user logged in from this address (not slowed by user alerts)."""
+    return f"{LOGIN_PREFIX}known:{user_hash}:{address_hash}"

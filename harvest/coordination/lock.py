@@ -20,21 +20,12 @@ from redis import Redis, RedisError
 
 from harvest.coordination import keys
 from harvest.coordination.scripts import LuaScript
-from harvest.errors import HarvestError
+from harvest.errors import LockNotAcquired
 
 log = logging.getLogger(__name__)
 
 _POLL_MIN = 0.005
 _POLL_MAX = 0.1
-
-
-class LockNotAcquired(HarvestError, TimeoutError):
-    """Another owner held the lock for the whole timeout."""
-
-    def __init__(self, name: str, timeout: float) -> None:
-        self.name = name
-        self.timeout = timeout
-        super().__init__(f"lock {name!r} is held by another owner (waited {timeout:g}s)")
 
 
 class Lock:

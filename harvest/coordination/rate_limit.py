@@ -13,9 +13,10 @@ import time
 from dataclasses import dataclass
 
 from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
 
 from harvest.coordination import keys
-from harvest.coordination.scripts import LuaScript, micros, seconds
+from harvest.coordination.scripts import AsyncLuaScript, LuaScript, micros, seconds
 from harvest.errors import RateLimited
 
 MIN_PERIOD = 0.001  # the window is kept in microseconds; shorter periods make no sense
@@ -79,11 +80,7 @@ class RateLimiter:
 
     def try_acquire(self) -> float:
         """Take one permit if the window has room: 0.0 when admitted, else seconds to wait."""
-        call_id = secrets.token_hex(8)
-        admitted, wait = self._script.array(
-            [self._key], [self.rate.count, self.rate.period_micros, call_id]
-        )
-        return 0.0 if int(admitted) else max(seconds(int(wait)), 1e-6)
+        return _verdict(self._script.array([self._key], _permit_args(self.rate)))
 
     def acquire(self, *, raise_on_failure: bool = True) -> bool:
         """Take one permit now.
@@ -107,3 +104,27 @@ class RateLimiter:
             if left <= 0 or wait > left:
                 return False
             time.sleep(wait + 0.001)
+
+
+class AsyncRateLimiter:
+    """:class:`RateLimiter`'s ``try_acquire`` for an asyncio client (the same window)."""
+
+    def __init__(self, redis: AsyncRedis, name: str, rate: Rate | str) -> None:
+        self.name = name
+        self.rate = parse_rate(rate) if isinstance(rate, str) else rate
+        self._key = keys.rate_window(name)
+        self._script = AsyncLuaScript(redis, "rate_limit")
+
+    async def try_acquire(self) -> float:
+        """See :meth:`RateLimiter.try_acquire`."""
+        return _verdict(await self._script.array([self._key], _permit_args(self.rate)))
+
+
+def _permit_args(rate: Rate) -> list[str | int]:
+    return [rate.count, rate.period_micros, secrets.token_hex(8)]
+
+
+def _verdict(reply: list[object]) -> float:
+    """0.0 when admitted, else the seconds until a permit would be."""
+    admitted, wait = reply
+    return 0.0 if int(str(admitted)) else max(seconds(int(str(wait))), 1e-6)

@@ -12,6 +12,7 @@ from importlib import resources
 from typing import Any, cast
 
 from redis import Redis
+from redis.asyncio import Redis as AsyncRedis
 
 Arg = str | int | float
 Reply = list[Any]
@@ -31,8 +32,9 @@ class LuaScript:
         self.name = name
         self._call = cast(Callable[..., Any], client.register_script(source(name)))
 
-    def __call__(self, keys: Sequence[str], args: Sequence[Arg] = ()) -> Any:
-        return self._call(keys=list(keys), args=list(args))
+    def __call__(self, keys: Sequence[str], args: Sequence[Arg] = (), *, client: Any = None) -> Any:
+        """Run the script (or, with ``client=`` a pipeline, queue it there)."""
+        return self._call(keys=list(keys), args=list(args), client=client)
 
     def array(self, keys: Sequence[str], args: Sequence[Arg] = ()) -> Reply:
         """Run a script whose reply is an array."""
@@ -41,6 +43,26 @@ class LuaScript:
     def integer(self, keys: Sequence[str], args: Sequence[Arg] = ()) -> int:
         """Run a script whose reply is an integer."""
         return int(self(keys, args))
+
+
+class AsyncLuaScript:
+    """:class:`LuaScript` for an asyncio client (``redis.asyncio``): the same scripts, awaited."""
+
+    def __init__(self, client: AsyncRedis, name: str) -> None:
+        self.name = name
+        self._call = cast(Callable[..., Any], client.register_script(source(name)))
+
+    async def __call__(
+        self, keys: Sequence[str], args: Sequence[Arg] = (), *, client: Any = None
+    ) -> Any:
+        """Run the script (or, with ``client=`` a pipeline, queue it there)."""
+        return await self._call(keys=list(keys), args=list(args), client=client)
+
+    async def array(self, keys: Sequence[str], args: Sequence[Arg] = ()) -> Reply:
+        return cast(Reply, await self(keys, args))
+
+    async def integer(self, keys: Sequence[str], args: Sequence[Arg] = ()) -> int:
+        return int(await self(keys, args))
 
 
 def text(value: bytes | str) -> str:

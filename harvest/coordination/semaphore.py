@@ -16,20 +16,11 @@ from redis import Redis
 
 from harvest.coordination import keys
 from harvest.coordination.scripts import LuaScript, micros, seconds
-from harvest.errors import HarvestError
+from harvest.errors import SemaphoreBusy
 
 _POLL_MIN = 0.005
 _POLL_MAX = 0.1
 _PLACE_IN_LINE = 2.0  # a waiter that stops polling loses its place after this many seconds
-
-
-class SemaphoreBusy(HarvestError, TimeoutError):
-    """No permit of the semaphore could be taken within the timeout."""
-
-    def __init__(self, name: str, timeout: float) -> None:
-        self.name = name
-        self.timeout = timeout
-        super().__init__(f"semaphore {name!r}: no permit free within {timeout:g}s")
 
 
 class Semaphore:

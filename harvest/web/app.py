@@ -20,12 +20,12 @@ from fastapi.staticfiles import StaticFiles
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from harvest.app import Harvest
-from harvest.coordination.lock import LockNotAcquired
 from harvest.db import make_engine
-from harvest.errors import HarvestError, ServiceUnavailable
+from harvest.errors import HarvestError, InvalidFilter, LockNotAcquired, ServiceUnavailable
 from harvest.redact import redact_text
 from harvest.settings import Settings
-from harvest.web import api, auth, data, pages
+from harvest.web import api, auth, data, pages, queues, usage
+from harvest.web.throttle import LoginThrottle, ThrottlePolicy
 
 DB_POOL_SIZE = 4
 DESCRIPTION = """The data and actions of the harvest dashboard.
@@ -41,6 +41,7 @@ def create_app(
     *,
     credentials: auth.Credentials | None,
     harvest: Harvest | None = None,
+    login_policy: ThrottlePolicy | None = None,
 ) -> FastAPI:
     """The dashboard for ``settings``' database and Redis.
 
@@ -48,7 +49,11 @@ def create_app(
         caller has checked that it binds to loopback: :func:`harvest.web.auth.check_bind`).
     :param harvest: the library object to read through (default: one made here, with its
         own engine and Redis client, closed at shutdown).
+    :param login_policy: how failed logins are throttled (default :class:`ThrottlePolicy`;
+        the state is in ``settings``' Redis, see :mod:`harvest.web.throttle`).
     """
+
+    throttle = LoginThrottle(settings.redis_url, login_policy) if credentials else None
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -57,6 +62,8 @@ def create_app(
         try:
             yield
         finally:
+            if throttle is not None:
+                await throttle.aclose()
             if owned:
                 app.state.harvest.close()
 
@@ -70,12 +77,20 @@ def create_app(
         lifespan=lifespan,
     )
     app.include_router(api.router)
+    app.include_router(queues.api_router)
+    app.include_router(queues.router)
+    app.include_router(usage.api_router)
+    app.include_router(usage.router)
     app.include_router(pages.router)
     app.mount("/static", StaticFiles(directory=pages.HERE / "static"), name="static")
     _errors(app)
     app.openapi = lambda: _openapi(app)  # type: ignore[method-assign]
+    app.add_middleware(HeadAsGet)
     app.add_middleware(
-        auth.Guard, credentials=credentials, signer=auth.CsrfSigner.for_credentials(credentials)
+        auth.Guard,
+        credentials=credentials,
+        signer=auth.CsrfSigner.for_credentials(credentials),
+        throttle=throttle,
     )
     return app
 
@@ -84,6 +99,26 @@ def _harvest(settings: Settings) -> Harvest:
     engine = make_engine(settings, pool_size=DB_POOL_SIZE)
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=5)
     return Harvest(settings, engine=engine, redis_client=client)
+
+
+class HeadAsGet:
+    """HEAD answered like GET without the body (the same status and headers, Content-Length
+    included), on every page and API route that answers GET."""
+
+    def __init__(self, app: auth.ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: auth.Scope, receive: auth.Receive, send: auth.Send) -> None:
+        if scope["type"] != "http" or scope["method"] != "HEAD":
+            await self.app(scope, receive, send)
+            return
+
+        async def headless(message: auth.Message) -> None:
+            if message["type"] == "http.response.body":
+                message = {**message, "body": b""}
+            await send(message)
+
+        await self.app({**scope, "method": "GET"}, receive, headless)
 
 
 # --- errors ---------------------------------------------------------------------------------
@@ -96,6 +131,8 @@ def _status_of(exc: Exception) -> int:
         return 404
     if isinstance(exc, data.Conflict):
         return 409
+    if isinstance(exc, InvalidFilter):
+        return 422
     return 400
 
 

@@ -29,6 +29,7 @@ from pydantic import SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from harvest.errors import ConfigurationError
+from harvest.web.throttle import LoginThrottle
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -86,7 +87,8 @@ def credentials_from(web: WebSettings) -> Credentials | None:
     """The credentials configured, None when neither variable is set.
 
     :raises ConfigurationError: only one is set, the user is blank or has a colon, or the
-        password is shorter than 8 characters (the message never contains the password).
+        password is shorter than 8 characters or only whitespace (the message never contains
+        the password).
     """
     password = web.password.get_secret_value() if web.password is not None else ""
     user = (web.user or "").strip()
@@ -102,6 +104,11 @@ def credentials_from(web: WebSettings) -> Credentials | None:
     if len(password) < MIN_PASSWORD:
         raise ConfigurationError(
             f"HARVEST_WEB_PASSWORD is too short: use at least {MIN_PASSWORD} characters"
+        )
+    if not password.strip():
+        raise ConfigurationError(
+            "HARVEST_WEB_PASSWORD is only whitespace: use at least "
+            f"{MIN_PASSWORD} characters that are not all spaces"
         )
     return Credentials(user, SecretStr(password))
 
@@ -237,11 +244,17 @@ class Guard:
     cookie, and the CSRF check on every request that is not GET, HEAD or OPTIONS."""
 
     def __init__(
-        self, app: ASGIApp, *, credentials: Credentials | None, signer: CsrfSigner
+        self,
+        app: ASGIApp,
+        *,
+        credentials: Credentials | None,
+        signer: CsrfSigner,
+        throttle: LoginThrottle | None = None,
     ) -> None:
         self.app = app
         self.credentials = credentials
         self.signer = signer
+        self.throttle = throttle
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -254,7 +267,11 @@ class Guard:
         if self.credentials is None and not is_loopback(_host_name(headers.get("host"))):
             await refuse(send, 421, "this server answers only loopback host names", [])
             return
-        user = self._user(headers)
+        user, retry_after = await self._user(scope, headers)
+        if retry_after is not None:
+            detail = f"too many failed logins from this address: retry after {retry_after} s"
+            await refuse(send, 429, detail, [(b"retry-after", str(retry_after).encode())])
+            return
         if user is None:
             challenge = (b"www-authenticate", b'Basic realm="harvest", charset="UTF-8"')
             await refuse(send, 401, "authentication required", [challenge])
@@ -286,13 +303,24 @@ class Guard:
         state["csrf_token"] = token
         await self.app(scope, receive, send)
 
-    def _user(self, headers: dict[str, str]) -> str | None:
+    async def _user(self, scope: Scope, headers: dict[str, str]) -> tuple[str | None, int | None]:
+        """(the user let in or None, seconds to wait when the address is locked). Only
+        well-formed Basic credentials are an attempt (judged by the throttle); no or garbled
+        credentials are refused (401) without counting."""
         if self.credentials is None:
-            return "anonymous"
+            return "anonymous", None
         given = _basic_auth(headers.get("authorization"))
-        if given is None or not self.credentials.check(*given):
-            return None
-        return given[0]
+        if given is None:
+            return None, None
+        right = self.credentials.check(*given)
+        if self.throttle is not None:
+            client = scope.get("client")
+            verdict = await self.throttle.attempt(
+                client[0] if client else None, given[0], right=right
+            )
+            if verdict.retry_after is not None:
+                return None, verdict.retry_after
+        return (given[0] if right else None), None
 
     async def _submitted(
         self, scope: Scope, headers: dict[str, str], receive: Receive

@@ -39,12 +39,21 @@ def nice_max(value: float) -> float:
     return float(10 * power)  # pragma: no cover - the loop always returns
 
 
+def _number(value: float) -> str:
+    """Three significant digits, never in exponent form: 1000 -> "1,000", 25000 -> "25k"."""
+    if abs(value) >= 10_000:
+        return f"{value / 1000:,.0f}k"
+    if abs(value) >= 100 or value == int(value):
+        return f"{value:,.0f}"
+    return f"{value:.3g}"
+
+
 def _fmt(value: float, unit: str) -> str:
     if unit == "s":
         if value >= 1:
-            return f"{value:.3g} s"
-        return f"{value * 1000:.3g} ms"
-    return f"{value:.3g}{unit}"
+            return f"{_number(value)} s"
+        return f"{_number(value * 1000)} ms"
+    return f"{_number(value)}{unit}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,26 +1,36 @@
 """What the dashboard and its API read and do: thin calls into the library (store, stats,
 keystore, the key pool, schedules, batches and the Harvest object).
 
-The web layer has no SQL of its own: every statement it needs lives in harvest/store.py.
+The web layer has no SQL of its own: every statement it needs lives in harvest/store/.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from redis.exceptions import RedisError
+from sqlalchemy import Connection
 
-from harvest import keystore, stats, store
+from harvest import history, keystore, processes, stats, store
 from harvest.app import Harvest
 from harvest.batches import Batch
+from harvest.coordination.key_pool import KeyPool
 from harvest.db import translate_errors
-from harvest.errors import HarvestError, JobNotFound, ScheduleNotFound, ServiceUnavailable
+from harvest.errors import (
+    HarvestError,
+    JobNotFound,
+    KeyNotFound,
+    ScheduleNotFound,
+    ServiceUnavailable,
+)
 from harvest.jobs import Job
 from harvest.models import JobStatus
 from harvest.redact import redact_text
 from harvest.schedules import Schedule
+from harvest.search import Search
 
 MAX_PAGE = 500
 DELETE_BATCH = 1000
@@ -118,6 +128,8 @@ class JobFilter:
     name: str | None = None
     queue: str | None = None
     batch_id: int | None = None
+    state: str | None = None  # ready, scheduled, retrying, running, dead (store.JOB_STATES)
+    search: Search | None = None  # harvest.search: id, name, or payload path
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,13 +149,15 @@ def job_page(
 ) -> JobPage:
     """One page of jobs, newest first."""
     per_page = max(1, min(per_page, MAX_PAGE))
-    with translate_errors(), app.engine.connect() as conn:
+    with translate_errors(), app.engine.begin() as conn:  # begin: a quarantine is kept
         rows = store.list_jobs_page(
             conn,
             status=where.status,
             name=where.name,
             queue=where.queue,
             batch_id=where.batch_id,
+            state=where.state,
+            search=where.search,
             before=before if after is None else None,
             after=after,
             limit=per_page + 1,
@@ -162,6 +176,16 @@ def job_page(
 
 def job(app: Harvest, job_id: int) -> Job:
     return app.get(job_id)
+
+
+def live_processes(app: Harvest) -> list[processes.Process]:
+    with translate_errors():
+        return processes.processes(app.engine, app.redis)
+
+
+def job_attempts(app: Harvest, job_id: int) -> list[history.Attempt]:
+    with translate_errors(), app.engine.connect() as conn:
+        return history.attempts(conn, job_id)
 
 
 def retry_job(app: Harvest, job_id: int) -> None:
@@ -186,20 +210,37 @@ def delete_dead_job(app: Harvest, job_id: int) -> None:
     raise Conflict(f"job {job_id} is {current.status}, not failed (only dead jobs are deleted)")
 
 
-def retry_dead(app: Harvest, *, name: str | None) -> int:
-    """Every dead job (of one name, or all) back to pending. Returns how many."""
-    return app.retry_failed(name=name)
+def retry_dead(app: Harvest, *, name: str | None, at_most: int | None = None) -> int:
+    """Dead jobs (of one exact name, or all) back to pending, oldest first, in batches; at
+    most ``at_most`` of them (all when None). Returns how many."""
+    total = _bounded(app, lambda conn, n: len(store.retry_failed_many(conn, name=name, limit=n)),
+                     at_most)  # fmt: skip
+    if total:
+        app.nudge()
+    return total
 
 
-def delete_dead(app: Harvest, *, name: str | None) -> int:
-    """Delete every dead job (of one name, or all), in batches. Returns how many."""
+def delete_dead(app: Harvest, *, name: str | None, at_most: int | None = None) -> int:
+    """Delete dead jobs (of one exact name, or all), oldest first, in batches; at most
+    ``at_most`` of them (all when None). Returns how many."""
+    return _bounded(
+        app, lambda conn, n: store.delete_failed_many(conn, name=name, limit=n), at_most
+    )
+
+
+def _bounded(app: Harvest, act: Callable[[Connection, int], int], at_most: int | None) -> int:
+    """Run ``act(conn, limit)`` (one statement touching at most ``limit`` rows) in batches of
+    DELETE_BATCH, each its own transaction, until it touches fewer than asked or ``at_most``
+    rows are done. The bound is in every statement: no batch can overshoot it."""
     total = 0
-    while True:
+    while at_most is None or total < at_most:
+        limit = DELETE_BATCH if at_most is None else min(DELETE_BATCH, at_most - total)
         with translate_errors(), app.engine.begin() as conn:
-            n = store.delete_failed_many(conn, name=name, limit=DELETE_BATCH)
+            n = act(conn, limit)
         total += n
-        if n < DELETE_BATCH:
-            return total
+        if n < limit:
+            break
+    return total
 
 
 def queues(app: Harvest) -> list[str]:
@@ -241,6 +282,12 @@ class KeyView:
         return leases / self.info.max_concurrency if leases is not None else None
 
     @property
+    def learned(self) -> str | None:
+        """Its limits as learned from the service (see KeyState.learned_text)."""
+        live = self.use.live if self.use is not None else None
+        return live.learned_text if live is not None else None
+
+    @property
     def cooldown_until(self) -> datetime | None:
         until = self.info.cooldown_until
         live = self.use.live if self.use is not None else None
@@ -279,10 +326,12 @@ def set_key_enabled(app: Harvest, key_id: int, *, enabled: bool) -> keystore.Key
     try:
         with translate_errors(), app.engine.begin() as conn:
             info = keystore.set_status(conn, key_id, "active" if enabled else "disabled")
-    except keystore.KeyNotFound:
+    except KeyNotFound:
         raise NotFound(f"no API key with id {key_id}") from None
     try:
         keystore.sync_pool(app.engine, app.redis, info.pool)
+        if enabled:  # an operator's enable: leased again now, a running cooldown ended
+            KeyPool(app.redis, info.pool).end_cooldown(info.id)
     except RedisError as exc:
         lines = redact_text(str(exc)).splitlines()
         raise ServiceUnavailable(

@@ -14,14 +14,17 @@ from typing import Annotated, Any
 from urllib.parse import parse_qs, urlencode
 
 from fastapi import APIRouter, Query, Request
-from fastapi.responses import HTMLResponse, RedirectResponse
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 
+from harvest import search, store
 from harvest.app import Harvest
 from harvest.models import JobStatus
-from harvest.web import charts, data
-from harvest.web.api import BIGINT, NO_NUL, Id, Status
+from harvest.web import charts, data, filters
+from harvest.web.api import Id
+from harvest.web.filters import BIGINT
+from harvest.web.models import State, Status
 
 HERE = Path(__file__).resolve().parent
 STATUSES = [s.value for s in JobStatus]
@@ -100,9 +103,15 @@ def between(start: datetime | None, end: datetime | None) -> str:
     return seconds((end - start).total_seconds())
 
 
+def epoch_ago(value: float) -> str:
+    return ago(datetime.fromtimestamp(value, UTC)) if value else "-"
+
+
 env.filters.update(when=when, ago=ago, seconds=seconds, triple=triple, percent=percent,
-                   pretty=pretty)  # fmt: skip
-env.globals.update(between=between, STATUSES=STATUSES)
+                   pretty=pretty, epoch_ago=epoch_ago)  # fmt: skip
+env.globals.update(
+    between=between, STATUSES=STATUSES, STATES=list(store.JOB_STATES), usable=filters.usable
+)
 
 
 def _app(request: Request) -> Harvest:
@@ -132,14 +141,11 @@ def back(path: str, **query: Any) -> RedirectResponse:
 
 
 async def form(request: Request) -> dict[str, str]:
-    """The fields of an urlencoded form (the first value of each)."""
+    """The fields of an urlencoded form (the first value of each; a blank field is kept, as
+    an empty string: it is not the same as a missing one)."""
     body = (await request.body()).decode("utf-8", "replace")
-    return {k: v[0] for k, v in parse_qs(body, max_num_fields=100).items()}
-
-
-def _clean(value: str | None) -> str | None:
-    value = (value or "").strip()
-    return value if value and "\x00" not in value and len(value) <= 200 else None
+    fields = parse_qs(body, keep_blank_values=True, max_num_fields=100)
+    return {k: v[0] for k, v in fields.items()}
 
 
 # --- overview -------------------------------------------------------------------------------
@@ -194,24 +200,29 @@ def jobs_page(
     request: Request,
     *,
     status: Annotated[Status | None, Query()] = None,
-    name: Annotated[str | None, Query(max_length=200, pattern=NO_NUL)] = None,
-    queue: Annotated[str | None, Query(max_length=200, pattern=NO_NUL)] = None,
+    name: Annotated[str | None, Query()] = None,
+    queue: Annotated[str | None, Query()] = None,
     batch_id: Annotated[int | None, Query(ge=1, le=BIGINT)] = None,
+    state: Annotated[State | None, Query()] = None,
     before: Annotated[int | None, Query(ge=1, le=BIGINT)] = None,
     after: Annotated[int | None, Query(ge=0, le=BIGINT)] = None,
+    q: Annotated[str | None, Query()] = None,
     per_page: Annotated[int, Query(ge=1, le=data.MAX_PAGE)] = 50,
 ) -> HTMLResponse:
     harvest = _app(request)
-    where = data.JobFilter(status=status or None, name=name or None, queue=queue or None,
-                           batch_id=batch_id)  # fmt: skip
+    # An empty field of the filter form means "any"; anything else follows the one rule.
+    where = data.JobFilter(status=status or None, name=filters.job_name(name or None),
+                           queue=filters.queue(queue or None), batch_id=batch_id,
+                           state=state, search=search.parse(q) if q else None)  # fmt: skip
     page = data.job_page(harvest, where, before=before, after=after, per_page=per_page)
     queues = data.queues(harvest)
-    filters = {"status": where.status, "name": where.name, "queue": where.queue,
-               "batch_id": batch_id, "per_page": per_page if per_page != 50 else None}  # fmt: skip
+    shown = {"status": where.status, "name": where.name, "queue": where.queue,
+             "batch_id": batch_id, "state": state, "q": q or None,
+             "per_page": per_page if per_page != 50 else None}  # fmt: skip
     return render(
-        request, "jobs.html", page=page, where=where, names=list(data.names(harvest)),
-        queues=queues, older=_link("/jobs", filters, before=page.older),
-        newer=_link("/jobs", filters, after=page.newer),
+        request, "jobs.html", page=page, where=where, q=q or "", names=list(data.names(harvest)),
+        queues=queues, older=_link("/jobs", shown, before=page.older),
+        newer=_link("/jobs", shown, after=page.newer),
     )  # fmt: skip
 
 
@@ -225,7 +236,8 @@ def _link(path: str, filters: dict[str, Any], **cursor: int | None) -> str | Non
 @router.get("/jobs/{job_id}", response_class=HTMLResponse)
 def job_page(request: Request, job_id: Id) -> HTMLResponse:
     job = data.job(_app(request), job_id)
-    return render(request, "job.html", job=job)
+    attempts = data.job_attempts(_app(request), job_id)
+    return render(request, "job.html", job=job, attempts=attempts)
 
 
 @router.post("/jobs/{job_id}/retry")
@@ -252,34 +264,40 @@ def job_delete(request: Request, job_id: Id) -> RedirectResponse:
 @router.get("/dead", response_class=HTMLResponse)
 def dead_page(
     request: Request,
-    name: Annotated[str | None, Query(max_length=200, pattern=NO_NUL)] = None,
+    name: Annotated[str | None, Query()] = None,
     before: Annotated[int | None, Query(ge=1, le=BIGINT)] = None,
     after: Annotated[int | None, Query(ge=0, le=BIGINT)] = None,
 ) -> HTMLResponse:
     harvest = _app(request)
-    where = data.JobFilter(status="failed", name=name or None)
+    where = data.JobFilter(status="failed", name=filters.job_name(name or None))
     page = data.job_page(harvest, where, before=before, after=after, per_page=50)
     by_name = {n: c["failed"] for n, c in data.names(harvest).items() if c.get("failed")}
-    filters = {"name": where.name}
+    shown = {"name": where.name}
     return render(
         request, "dead.html", page=page, name=where.name, by_name=by_name,
-        total=sum(by_name.values()), older=_link("/dead", filters, before=page.older),
-        newer=_link("/dead", filters, after=page.newer),
+        total=sum(by_name.values()), older=_link("/dead", shown, before=page.older),
+        newer=_link("/dead", shown, after=page.newer),
     )  # fmt: skip
 
 
 @router.post("/dead/retry")
 async def dead_retry(request: Request) -> RedirectResponse:
-    name = _clean((await form(request)).get("name"))
-    n = await _threaded(data.retry_dead, _app(request), name=name)
+    name, count = _bulk(await form(request))
+    n = await _threaded(data.retry_dead, _app(request), name=name, at_most=count)
     return back("/dead", done="retried_many", n=n, name=name)
 
 
 @router.post("/dead/delete")
 async def dead_delete(request: Request) -> RedirectResponse:
-    name = _clean((await form(request)).get("name"))
-    n = await _threaded(data.delete_dead, _app(request), name=name)
+    name, count = _bulk(await form(request))
+    n = await _threaded(data.delete_dead, _app(request), name=name, at_most=count)
     return back("/dead", done="deleted_many", n=n, name=name)
+
+
+def _bulk(fields: dict[str, str]) -> tuple[str | None, int]:
+    """The set a bulk form names: one exact name (or every dead job when the form has no name
+    field) and the count it showed, the most it may touch. Refused (422) when unusable."""
+    return filters.job_name(fields.get("name")), filters.count(fields.get("count"))
 
 
 async def _threaded(func: Any, *args: Any, **kwargs: Any) -> Any:
@@ -289,6 +307,17 @@ async def _threaded(func: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 # --- keys, schedules, batches ---------------------------------------------------------------
+
+
+@router.get("/favicon.ico")
+def favicon() -> FileResponse:
+    """Browsers ask for it whatever the page says; the same icon as the pages link to."""
+    return FileResponse(HERE / "static" / "favicon.svg", media_type="image/svg+xml")
+
+
+@router.get("/processes", response_class=HTMLResponse)
+def processes_page(request: Request) -> HTMLResponse:
+    return render(request, "processes.html", processes=data.live_processes(_app(request)))
 
 
 @router.get("/keys", response_class=HTMLResponse)

@@ -202,3 +202,66 @@ def solo(ctx: JobContext, url: str, seconds: float = 4.0, hold: float = 3.0) -> 
     time.sleep(seconds)
     _call(ctx, execution, url, hold)
     return {"outcome": _effect(ctx, execution), "attempt": ctx.attempt}
+
+
+# --- the async workload (F12) ------------------------------------------------------------------
+
+WIDE = "chaos-wide"  # F12's pool: many keys of many leases each, hundreds of calls in flight
+_pools: dict[int, Any] = {}
+
+
+async def _asql(query: str, params: tuple[Any, ...]) -> Any:
+    """``_sql`` on this process's event loop (a small pool of its own connections)."""
+    import asyncio
+
+    from psycopg_pool import AsyncConnectionPool
+
+    loop = id(asyncio.get_running_loop())
+    pool = _pools.get(loop)
+    if pool is None:
+        url = os.environ["HARVEST_DATABASE_URL"].replace("postgresql+psycopg://", "postgresql://")
+        pool = AsyncConnectionPool(
+            url, min_size=1, max_size=8, open=False,
+            kwargs={"autocommit": True, "application_name": "chaos", "connect_timeout": 5},
+        )  # fmt: skip
+        await pool.open()
+        _pools[loop] = pool
+    async with pool.connection() as conn:
+        cursor = await conn.execute(query, params)
+        return await cursor.fetchone() if cursor.description else None
+
+
+@app.job("chaos.awork", pool=WIDE, max_attempts=25, retry=RETRY, timeout=25)
+async def awork(
+    ctx: JobContext, url: str, low_ms: int = 200, high_ms: int = 1000, hold: float = 0.01
+) -> dict[str, Any]:
+    """``chaos.work`` as an ``async def`` handler: wait, call the API with the leased key
+    through ``ctx.aclient()``, record the fenced, idempotent effect."""
+    import asyncio
+
+    row = await _asql(
+        "INSERT INTO chaos_executions (job_id, attempt, pid, host) VALUES (%s, %s, %s, %s) "
+        "RETURNING id",
+        (ctx.job_id, ctx.attempt, os.getpid(), HOST),
+    )
+    execution = int(row[0])
+    await asyncio.sleep(random.uniform(low_ms, high_ms) / 1000)
+    assert ctx.lease is not None
+    try:
+        async with ctx.aclient() as http:
+            params = {"fence": ctx.lease.fence, "hold": hold, "job": ctx.job_id}
+            response = await http.get(url, params=params)
+        response.raise_for_status()
+    except Exception as exc:
+        with contextlib.suppress(psycopg.Error):
+            await _asql(
+                "UPDATE chaos_executions SET ended_at = clock_timestamp(), outcome = %s "
+                "WHERE id = %s",
+                (f"error {type(exc).__name__}: {exc}"[:300], execution),
+            )
+        raise
+    found = await _asql(
+        "SELECT chaos_effect(%s, %s, %s, %s, %s)",
+        (execution, ctx.job_id, ctx.attempt, os.getpid(), HOST),
+    )
+    return {"outcome": str(found[0]), "attempt": ctx.attempt}

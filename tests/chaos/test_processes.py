@@ -4,9 +4,7 @@ visibility timeout (F3), and a worker paused past its lease (F7)."""
 from __future__ import annotations
 
 import os
-import random
 import signal
-import statistics
 import subprocess
 import time
 from collections.abc import Callable
@@ -15,13 +13,11 @@ import pytest
 
 from harvest.broker import make_celery
 from tests.chaos.conftest import (
-    Victim,
     World,
-    note_rescues,
     record,
-    victims_of,
     wait_until,
 )
+from tests.chaos.kills import kill_under_load, record_kills
 
 pytestmark = [pytest.mark.chaos, pytest.mark.slow]
 
@@ -36,78 +32,23 @@ def test_f1_sigkill_children_and_main_processes_under_load(
 ) -> None:
     world = make_world()
     roles = world.standard(execution=2, concurrency=F1_CONCURRENCY)
-    executions = list(roles.execution)
     ids = world.enqueue(F1_JOBS, low_ms=20, high_ms=200)
-    rng = random.Random(1)
-    victims: list[Victim] = []
-    kills = {"child": 0, "main": 0}
-    started = time.monotonic()
-    next_kill = started + rng.uniform(2.0, 3.5)
-    # Kill until the backlog is nearly drained: every stretch of the run is under fire.
-    while time.monotonic() - started < F1_CAP:
-        time.sleep(0.2)
-        note_rescues(world, victims)
-        if len(ids) - world.succeeded_count(ids) < 50:
-            break
-        if time.monotonic() < next_kill:
-            continue
-        next_kill = time.monotonic() + rng.uniform(2.0, 3.5)
-        if sum(kills.values()) % 5 == 4:  # now and then a main worker process (children die too)
-            victim = rng.choice(executions)
-            pids = [victim.pid, *world.cluster.children(victim)]
-            os.kill(victim.pid, signal.SIGKILL)
-            victim.wait(10)
-            executions.remove(victim)
-            executions.append(world.cluster.worker("execution", concurrency=F1_CONCURRENCY))
-            kills["main"] += 1
-        else:
-            children = [c for proc in executions for c in world.cluster.children(proc)]
-            if not children:
-                continue
-            pids = [rng.choice(children)]
-            os.kill(pids[0], signal.SIGKILL)
-            kills["child"] += 1
-        killed_at = time.monotonic()
-        time.sleep(0.1)  # a child SIGKILLed with its main process dies a moment later
-        victims += victims_of(world, killed_at, pids=pids)
-    under_fire = time.monotonic() - started
-    deadline = time.monotonic() + 30  # the last kills' victims: rescue times measured live
-    while any(v.rescued_after is None for v in victims) and time.monotonic() < deadline:
-        time.sleep(0.2)
-        note_rescues(world, victims)
-    world.wait_done(ids, 120)
-    figures = world.figures(ids)
-    rescues = [v.rescued_after for v in victims if v.rescued_after is not None]
-    rerun = world.scalar(
-        "SELECT max(extract(epoch FROM b.started_at - a.started_at)) FROM chaos_executions a "
-        "JOIN chaos_executions b ON b.job_id = a.job_id AND b.attempt = a.attempt + 1 "
-        "WHERE a.job_id = ANY(:ids)",
-        ids=ids,
+    run = kill_under_load(
+        world,
+        ids,
+        list(roles.execution),
+        lambda: world.cluster.worker("execution", concurrency=F1_CONCURRENCY),
+        cap=F1_CAP,
     )
-    record(
+    record_kills(
         "F1",
         "SIGKILL children and main workers",
         request,
-        jobs=len(ids),
-        **figures.row(),
-        worst_recovery=max(rescues, default=None),
-        overlaps=world.overlaps(),
-        notes=(
-            f"{kills['child']} children + {kills['main']} main processes SIGKILLed in "
-            f"{under_fire:.0f} s, {len(victims)} running jobs interrupted; kill-to-rescue median "
-            f"{statistics.median(rescues or [0]):.1f} s, worst shown (lease 3 s, rescue every "
-            f"1 s); worst attempt-to-next-attempt "
-            f"{float(rerun or 0):.0f} s (rescued jobs keep their place in the queue); "
-            f"{figures.summary()}; jobs sleep 20-200 ms; 2 workers x {F1_CONCURRENCY} children"
-        ),
+        world,
+        ids,
+        run,
+        f"jobs sleep 20-200 ms; 2 workers x {F1_CONCURRENCY} children",
     )
-    assert sum(kills.values()) >= under_fire / 4, "fewer kills than planned"
-    assert figures.statuses == {"succeeded": len(ids)}
-    assert figures.lost == 0 and figures.effects == len(ids)
-    assert figures.duplicate_effects == 0 and figures.double_claims == 0
-    assert world.overlaps() == 0
-    assert victims, "no kill interrupted a job: nothing was measured"
-    assert len(rescues) == len(victims), "an interrupted job was never taken back"
 
 
 @pytest.mark.timeout(200)

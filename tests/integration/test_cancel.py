@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -17,24 +17,13 @@ from harvest.app import Harvest
 from harvest.jobs import Job
 from harvest.models import JobStatus
 from harvest.runner import Runner
-from harvest.settings import Settings
 from tests.helpers import body, claim_all, effect_count
 
 
 @pytest.fixture
-def app(
-    migrated: Settings,
-    clean_db: Engine,
-    effects: Engine,
-    redis_client: redis.Redis,
-    monkeypatch: pytest.MonkeyPatch,
-) -> Iterator[Harvest]:
-    monkeypatch.setenv("HARVEST_DATABASE_URL", migrated.database_url)  # tests.jobs effects
+def app(jobs_app: Callable[..., Harvest], redis_client: redis.Redis) -> Harvest:
     # A short lease: the heartbeat (a third of it) notices a cancel request within 0.2 s.
-    harvest = Harvest(migrated.model_copy(update={"lease_ttl": 0.6}), redis_client=redis_client)
-    harvest.load_imports(["tests.jobs"])
-    yield harvest
-    harvest.close()
+    return jobs_app({"lease_ttl": 0.6}, redis_client=redis_client)
 
 
 def get(app: Harvest, job_id: int) -> Job:

@@ -104,7 +104,7 @@ def run_in_process(app: Harvest) -> None:
     try:
         runner.execute([[c.id, str(c.token)] for c in claimed])
     finally:
-        runner.heartbeat.stop()
+        runner.close()
 
 
 # --- help -------------------------------------------------------------------------------------
@@ -240,6 +240,9 @@ def test_show_a_dead_job_with_its_traceback_then_retry_it(
     assert "last traceback" in shown
     assert "Traceback (most recent call last)" in shown
     assert 'raise PermanentError("this input can never work")' in shown
+    assert "attempts (the last 20)" in shown  # the attempt history, one row per attempt
+    [attempt] = [line for line in shown.splitlines() if re.match(r"^\s*│\s*1\s*│", line)]
+    assert "failed" in attempt and "PermanentError" in attempt
 
     assert cli.ok("jobs", "retry", str(job_id)).strip() == f"job {job_id}: pending"
     shown = cli.ok("jobs", "show", str(job_id))
@@ -365,3 +368,72 @@ def test_an_unreachable_database_is_one_line(cli: Cli, args: tuple[str, ...]) ->
     line = cli.refused(*args, env=env)
     assert line.startswith("error: Postgres is unavailable: "), line
     assert "SENTINEL-pw" not in line
+
+
+def test_workers_lists_live_processes_and_the_jobs_they_hold(cli: Cli, app: Harvest) -> None:
+    """`harvest workers` reads the registry the execution processes write every 2 s, and
+    names the jobs each holds (from Postgres)."""
+    import time
+
+    from harvest.coordination import keys
+    from harvest.execution import registry
+
+    app.redis.delete(keys.worker_index())  # processes other tests' runners left listed
+    assert cli.ok("workers").strip() == "no execution process is alive"
+    job_id = app.enqueue("echo", {"value": 1}).id
+    with app.engine.begin() as conn:
+        store.claim_due(conn, limit=10, ttl=60)  # dispatched: held by a worker
+    info = registry.WorkerInfo(
+        id="hostA:4242", hostname="hostA", pid=4242, queues=("execution",), pool="prefork",
+        concurrency=1, async_concurrency=100, started_at=time.time(), in_flight=1,
+        running=(job_id,),
+    )  # fmt: skip
+    registry.beat(app.redis, info, ttl=30)
+    shown = cli.ok("workers")
+    assert "hostA:4242" in shown and f"echo#{job_id}" in shown and "1+100" in shown
+    registry.leave(app.redis, info.id)
+    assert "hostA:4242" not in cli.ok("workers")
+
+
+def test_bad_input_of_issue_13_is_one_line_and_stores_nothing(cli: Cli, clean_db: Engine) -> None:
+    huge = "1" + "0" * 5000
+    line = cli.refused("enqueue", "echo", "--payload", f'{{"a": {huge}}}')
+    assert line.startswith("error: invalid payload: --payload cannot be read: "), line
+    line = cli.refused("enqueue", "echo", "--payload", "null")
+    assert line == (
+        "error: invalid payload: --payload must be a JSON object (the handler's keyword "
+        "arguments), got null"
+    )
+    # Bytes that are not UTF-8 (the shell passes them through; Python keeps them as
+    # surrogates): refused, never echoed.
+    for args in (("enqueue", "echo\udcff"), ("jobs", "ls", "--name", "\udcffx")):
+        done = subprocess.run(
+            [os.fsencode(HARVEST), *(os.fsencode(a) for a in args)],
+            capture_output=True,
+            env={k.encode(): v.encode() for k, v in cli.env.items()},
+            timeout=60,
+            check=False,
+        )
+        assert done.returncode == 2
+        assert (
+            done.stderr.decode().strip() == f"error: argument {len(args)} is not valid UTF-8 text"
+        )
+    line = cli.refused("jobs", "ls", "--status", "bogus")
+    assert line.startswith("error: invalid status: must be one of pending, dispatched, running")
+    with clean_db.connect() as conn:
+        assert conn.execute(text("SELECT count(*) FROM harvest_jobs")).scalar_one() == 0
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("postgresql://harvest:SENTINEL-pw@db:abc/jobs", "the port is not a number"),
+        ("mysql://harvest:SENTINEL-pw@db/jobs", "got a mysql:// URL"),
+        ("SENTINEL-pw@db/jobs", "got a value that is not a URL"),
+        ("harvest:SENTINEL-pw", "got a value that is not a URL"),
+    ],
+)
+def test_a_bad_database_url_is_one_line_without_its_secret(cli: Cli, url: str, says: str) -> None:
+    line = cli.refused("jobs", "ls", env=cli.env | {"HARVEST_DATABASE_URL": url})
+    assert line.startswith("error: bad configuration: HARVEST_DATABASE_URL: ") and says in line
+    assert "SENTINEL" not in line and "SQLite" not in line

@@ -157,6 +157,24 @@ def test_add_ls_disable_enable_rm(cli: Cli, clean_db: Engine, redis_client: redi
     assert_secret_nowhere(redis_client, clean_db)
 
 
+def test_enable_ends_a_cooldown_running_in_redis(
+    cli: Cli, clean_db: Engine, redis_client: redis.Redis
+) -> None:
+    cli.ok("keys", "add", "ai", "main", stdin=SENTINEL + "\n")
+    pool = KeyPool(redis_client, "ai")
+    (state,) = pool.snapshot()
+    pool.cooldown(state.key_id, 600.0)  # a 429 with Retry-After: 600
+    assert pool.snapshot()[0].status == "cooling"
+    assert not isinstance(pool.lease("test", 30.0), Lease)
+    assert "active" in cli.ok("keys", "enable", "ai", "main")
+    assert pool.snapshot()[0].status == "active"
+    assert isinstance(pool.lease("test", 30.0), Lease)  # leased again at once
+    cli.ok("keys", "disable", "ai", "main")
+    pool.cooldown(state.key_id, 600.0)
+    assert "active" in cli.ok("keys", "enable", "ai", "main")  # disabled and cooling: both end
+    assert pool.snapshot()[0].status == "active"
+
+
 def test_ls_shows_a_pool_redis_lost_as_not_loaded(
     cli: Cli, redis_client: redis.Redis, clean_db: Engine
 ) -> None:
@@ -201,3 +219,19 @@ def test_user_mistakes_are_one_line_and_store_nothing(
     assert count_rows(clean_db) == 0
     assert not KeyPool(redis_client, "ai").is_loaded()
     assert_secret_nowhere(redis_client, clean_db)
+
+
+def test_tpm_is_stored_synced_to_redis_and_shown(
+    cli: Cli, clean_db: Engine, redis_client: redis.Redis
+) -> None:
+    cli.ok("keys", "add", "llm", "main", "--rate", "60/m", "--tpm", "90000", stdin=SENTINEL)
+    pool = KeyPool(redis_client, "llm")
+    state = pool.snapshot()[0]
+    assert state.tokens is not None and state.tokens.count == 90000
+    listing = cli.ok("keys", "ls", "llm")
+    assert "90,000 tpm" in listing and "60/m" in listing
+    redis_client.delete(*redis_client.keys("harvest:pool:*"))  # Redis lost it: rebuilt with tpm
+    cli.ok("keys", "sync", "llm")
+    assert pool.snapshot()[0].tokens == state.tokens
+    assert "invalid tpm" in cli.refused("keys", "add", "llm", "b", "--tpm", "0", stdin=SENTINEL)
+    assert count_rows(clean_db) == 1

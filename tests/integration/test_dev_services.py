@@ -20,7 +20,9 @@ import pytest
 import redis
 
 from harvest import dev
+from harvest.dev import postgres_server, redis_server
 from harvest.errors import ConfigurationError, ServiceUnavailable
+from harvest.settings import Settings
 
 ADMIN_URL = os.environ.get(
     "HARVEST_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
@@ -74,7 +76,10 @@ def _libpq(url: str) -> str:
 
 
 def _have_system_binaries() -> bool:
-    return shutil.which("redis-server") is not None and dev._system_postgres_bin() is not None
+    return (
+        shutil.which("redis-server") is not None
+        and postgres_server._system_postgres_bin() is not None
+    )
 
 
 @pytest.fixture
@@ -210,8 +215,41 @@ def test_private_servers_up_answer_and_down_leaves_nothing(
 
 @pytest.mark.slow
 def test_failed_up_stops_what_it_started(state_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(dev, "_find_redis", lambda binaries: ("system", "/bin/false"))
+    monkeypatch.setattr(redis_server, "_find_redis", lambda binaries: ("system", "/bin/false"))
     with pytest.raises(ServiceUnavailable, match="redis is unavailable: /bin/false"):
         dev.up(state_dir, env={}, **_closed_probes())
     assert _processes_mentioning(str(state_dir)) == []
     assert not (state_dir / dev.STATE_FILE).exists()
+
+
+# --- saying what is used, recording only what must be ---------------------------------------
+
+
+def test_machine_services_used_without_recording_them(state_dir: Path) -> None:
+    """``record=False`` (the demo): the machine's services are used and named, dev.json is not
+    written, so later commands are not silently pointed at them."""
+    database = f"harvest_dev_{secrets.token_hex(4)}"
+    try:
+        state = dev.up(state_dir, env={}, database=database, record=False)
+        assert (state.database_source, state.redis_source) == ("default", "default")
+        assert not (state_dir / dev.STATE_FILE).exists()
+        assert dev.describe(state, "postgres") == "the machine's own server on 127.0.0.1:5432"
+        assert dev.describe(state, "redis") == "the machine's own server on 127.0.0.1:6379"
+    finally:
+        with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
+
+
+def test_ensure_and_drop_a_database_on_the_server_of_a_url(migrated: Settings) -> None:
+    name = f"harvest_test_{secrets.token_hex(4)}_own"
+    url, created = dev.ensure_database(migrated.database_url, name)
+    try:
+        assert url == migrated.database_url.rsplit("/", 1)[0] + f"/{name}" and created
+        assert dev.ensure_database(migrated.database_url, name) == (url, False)
+        with pytest.raises(ConfigurationError, match="database name"):
+            dev.ensure_database(migrated.database_url, "x; DROP")
+    finally:
+        assert dev.drop_database(url) == name
+    with psycopg.connect(ADMIN_URL) as conn:
+        found = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+    assert found is None

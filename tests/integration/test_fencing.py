@@ -4,11 +4,10 @@ nothing, rescue takes back expired leases, and a lost lease drops the outcome (a
 from __future__ import annotations
 
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
-import redis
 from sqlalchemy import Engine, text
 
 from harvest import store
@@ -17,23 +16,12 @@ from harvest.context import JobContext
 from harvest.jobs import Claimed, Job
 from harvest.models import JobStatus
 from harvest.runner import DUPLICATES, LOST, MALFORMED, Runner
-from harvest.settings import Settings
 from tests.helpers import body, claim_all, effect_count
 
 
 @pytest.fixture
-def app(
-    migrated: Settings,
-    clean_db: Engine,
-    effects: Engine,
-    redis_client: redis.Redis,
-    monkeypatch: pytest.MonkeyPatch,
-) -> Iterator[Harvest]:
-    monkeypatch.setenv("HARVEST_DATABASE_URL", migrated.database_url)  # tests.jobs "effect"
-    harvest = Harvest(migrated)
-    harvest.load_imports(["tests.jobs"])
-    yield harvest
-    harvest.close()
+def app(jobs_app: Callable[..., Harvest]) -> Harvest:
+    return jobs_app()
 
 
 def job(engine: Engine, job_id: int) -> Job:
@@ -117,7 +105,7 @@ def test_redelivery_while_the_first_delivery_runs_is_suppressed_and_counted(
         assert [m[0] for m in message] == [first.id, second.id]
         outer = runner.execute(message)
     finally:
-        second_worker.heartbeat.stop()
+        second_worker.close()  # its heartbeat and its presence in the worker registry
 
     assert effect_count(effects, second.id) == 1
     assert job(effects, first.id).status is JobStatus.SUCCEEDED

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import uuid
 
 import redis
 from cryptography.fernet import Fernet
@@ -10,13 +11,45 @@ from pydantic import SecretStr
 from sqlalchemy import Engine
 
 from harvest import keystore
-from harvest.app import Harvest
+from harvest.app import Harvest, JobSpec
 from harvest.coordination.key_pool import Busy, Lease
-from harvest.gate import Gate, Wait
+from harvest.execution import core
+from harvest.execution.executor import Executor
+from harvest.execution.tracking import Tracked
 from harvest.settings import Settings
 
 
-def _gate(migrated: Settings, redis_client: redis.Redis) -> Gate:
+class _Gate:
+    """The core's gate driven by a worker's blocking shell, for one job of pool "p"."""
+
+    def __init__(self, app: Harvest) -> None:
+        self.app = app
+        self.executor = Executor(app)
+        self.shell = self.executor.sync
+        self.gate = self.shell.gate
+
+    def lease(self, pool: str, job_id: int) -> Lease | core.Wait | None:
+        spec = JobSpec("j", lambda ctx: None, "execution", 1, 1.0, (Exception,), None, pool)  # type: ignore[arg-type]
+        tracked = Tracked(job_id, uuid.uuid4(), "j")
+        return self.shell.drive(core.gate(spec, tracked, self.executor.plan))
+
+    def secret(self, lease: Lease) -> str:
+        return self.gate.secret(lease)
+
+    def rate_limited(self, lease: Lease, seconds: float) -> None:
+        self.gate.rate_limited(lease, seconds)
+
+    def rejected(self, lease: Lease) -> None:
+        self.gate.rejected(lease)
+
+    def release(self, lease: Lease) -> None:
+        self.gate.release(lease)
+
+    def pool(self, name: str) -> object:
+        return self.gate.pool(name)
+
+
+def _gate(migrated: Settings, redis_client: redis.Redis) -> _Gate:
     settings = migrated.model_copy(
         update={"secret_key": SecretStr(Fernet.generate_key().decode()), "key_wait": 0.2}
     )
@@ -25,7 +58,7 @@ def _gate(migrated: Settings, redis_client: redis.Redis) -> Gate:
     with app.sessions.begin() as session:
         keystore.add_key(session, cipher, pool="p", name="only", secret="sk-gate-test-0123456789")
     keystore.sync_pool(app.engine, redis_client, "p")
-    return Gate(app)
+    return _Gate(app)
 
 
 def test_a_429_cools_the_key_and_the_cooldown_survives_a_redis_flush(
@@ -42,11 +75,11 @@ def test_a_429_cools_the_key_and_the_cooldown_survives_a_redis_flush(
     assert key.status == "cooling" and key.cooldown_until is not None
     assert 25 < key.cooldown_until.timestamp() - time.time() <= 31
     waited = gate.lease("p", job_id=2)
-    assert isinstance(waited, Wait) and waited.seconds > 25  # cooling: nothing to lease
+    assert isinstance(waited, core.Wait) and waited.seconds > 25  # cooling: nothing to lease
 
     redis_client.flushdb()  # Redis lost the pool; the rebuild comes from Postgres
     waited = gate.lease("p", job_id=3)
-    assert isinstance(waited, Wait) and waited.seconds > 20
+    assert isinstance(waited, core.Wait) and waited.seconds > 20
 
 
 def test_a_rejected_key_is_disabled_everywhere(
@@ -59,4 +92,4 @@ def test_a_rejected_key_is_disabled_everywhere(
     gate.release(lease)
     with gate.app.engine.connect() as conn:
         assert keystore.list_keys(conn, "p")[0].status == "disabled"
-    assert isinstance(gate.pool("p").lease("x", 5), Busy)
+    assert isinstance(gate.gate.pool("p").lease("x", 5), Busy)

@@ -14,12 +14,13 @@ import typer
 from sqlalchemy import Engine, text
 from typer.testing import CliRunner
 
-from harvest import maintenance, store
+from harvest import maintenance, store, usage
 from harvest.app import Harvest
 from harvest.cli_schedules import retry_command
 from harvest.coordination.lock import Lock
 from harvest.errors import HarvestError, InvalidOption
 from harvest.settings import Settings
+from harvest.usage import rows as usage_rows
 
 DAY = 86_400
 
@@ -150,13 +151,13 @@ def test_prune_and_aging_queries_use_their_indexes(clean_db: Engine) -> None:
         for what in ("finished", "dead"):
             plans[what] = "\n".join(
                 conn.execute(
-                    text("EXPLAIN " + str(store._PRUNES[what])), {"age": 10, "limit": 5}
+                    text("EXPLAIN " + str(store.ending._PRUNES[what])), {"age": 10, "limit": 5}
                 ).scalars()
             )
         aged = "\n".join(
             conn.execute(
-                text("EXPLAIN " + str(store._CLAIMS[False])),
-                {"limit": 5, "ttl": 5, "starve": 300, "share": 1},
+                text("EXPLAIN " + str(store.claim._CLAIMS[False])),
+                store.claim._claim_params(5, 5, None, 300, None),
             ).scalars()
         )
     assert "harvest_jobs_finished_idx" in plans["finished"], plans["finished"]
@@ -215,3 +216,20 @@ def test_cli_retry(
     assert isinstance(run(str(a[0]), "--failed").exception, InvalidOption)
     assert isinstance(run(str(a[1]), "--name", "echo").exception, InvalidOption)
     assert isinstance(run(str(a[0])).exception, HarvestError)  # pending now, not failed
+
+
+def test_prune_deletes_old_usage_minutes_and_keeps_the_totals(
+    app: Harvest, clean_db: Engine
+) -> None:
+    now = time.time()
+    one = usage.call("p", 1, reported=10, reserved=0, limited=False, error=False)
+    tally = usage.Tally()
+    for age in (40 * DAY, 31 * DAY, 29 * DAY, 60.0):
+        tally.add(one, at=now - age)
+    with clean_db.begin() as conn:
+        usage_rows.add(conn, tally.take())
+    report = maintenance.prune(app)
+    assert report.usage == 2
+    with clean_db.connect() as conn:
+        assert [f.requests for f in usage_rows.per_key(conn, minutes=None)] == [4]
+        assert [f.requests for f in usage_rows.per_key(conn, minutes=60 * 24 * 30)] == [2]

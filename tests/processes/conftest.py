@@ -6,16 +6,20 @@ from __future__ import annotations
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import psycopg
 import pytest
+import redis
 from sqlalchemy import Engine, text
 
 from harvest.app import Harvest
 from harvest.procs import ProcessGroup
 from harvest.settings import Settings
+from tests.pgbouncer import PgBouncer, pooler_errors
+from tests.processes.api_server import ApiServer
 
 FAST = {
     "HARVEST_LEASE_TTL": "3",
@@ -37,6 +41,10 @@ class Cluster(ProcessGroup):
         }
         if broker_url:
             env["HARVEST_BROKER_URL"] = broker_url
+        if settings.pooled:
+            env["HARVEST_DATABASE_POOLER"] = settings.database_pooler
+        if settings.database_direct_url:
+            env["HARVEST_DATABASE_DIRECT_URL"] = settings.database_direct_url
         super().__init__(env, log_dir)
         self.settings = settings
 
@@ -50,19 +58,89 @@ class Cluster(ProcessGroup):
         return [int(p) for p in out.split()]
 
 
+def with_keys(
+    settings: Settings,
+    redis_client: redis.Redis,
+    keys: Iterable[tuple[str, str, str, dict[str, Any]]],
+    *,
+    disabled: Iterable[tuple[str, str]] = (),
+) -> Settings:
+    """``settings`` with a fresh secret key, and ``keys`` ((pool, name, secret, add_key's
+    options), ...) stored in Postgres (``disabled`` ones disabled) and loaded into Redis."""
+    from cryptography.fernet import Fernet
+    from pydantic import SecretStr
+
+    from harvest import keystore
+
+    settings = settings.model_copy(update={"secret_key": SecretStr(Fernet.generate_key().decode())})
+    cipher = keystore.Cipher.from_settings(settings)
+    app = Harvest(settings)
+    keys = list(keys)
+    with app.sessions.begin() as session:
+        for pool, name, secret, options in keys:
+            keystore.add_key(session, cipher, pool=pool, name=name, secret=secret, **options)
+    with app.engine.begin() as conn:
+        for ref in disabled:
+            keystore.set_status(conn, ref, "disabled")
+    for pool in dict.fromkeys(k[0] for k in keys):
+        keystore.sync_pool(app.engine, redis_client, pool)
+    app.close()
+    return settings
+
+
+@pytest.fixture
+def api() -> Iterator[tuple[ApiServer, str]]:
+    """A stand-in for an external API that records every call (tests.processes.api_server),
+    started on a free port: (server, url)."""
+    server = ApiServer()
+    url = server.start()
+    yield server, url
+    server.stop()
+
+
+@pytest.fixture
+def routed(
+    request: pytest.FixtureRequest, migrated: Settings, tmp_path: Path
+) -> Iterator[Settings]:
+    """The settings every harvest process of the test uses: straight to Postgres ("direct",
+    the default), or through this run's PgBouncer in transaction mode ("pgbouncer", by
+    ``@pytest.mark.parametrize("routed", [...], indirect=True)``). Through PgBouncer, the test
+    fails if any process's log or PgBouncer's says that the pooler broke something (a
+    prepared statement that does not exist, an advisory lock, a startup parameter)."""
+    if getattr(request, "param", "direct") == "direct":
+        yield migrated
+        return
+    bouncer: PgBouncer = request.getfixturevalue("pgbouncer")
+    database = migrated.database_url.rsplit("/", 1)[1]
+    start = len(bouncer.log_text())
+    yield migrated.model_copy(
+        update={
+            "database_url": bouncer.url(database),
+            "database_pooler": "transaction",
+            "database_direct_url": migrated.database_url,
+        }
+    )
+    tmp_path.joinpath("pgbouncer.log").write_text(bouncer.log_text()[start:])
+    errors = pooler_errors(*sorted(tmp_path.glob("*.log")))
+    assert not errors, f"the pooler broke something ({len(errors)} lines):\n" + "\n".join(
+        errors[:20]
+    )
+
+
 @pytest.fixture
 def cluster(
-    migrated: Settings, clean_db: Engine, redis_client: object, tmp_path: Path
+    routed: Settings, clean_db: Engine, redis_client: object, tmp_path: Path
 ) -> Iterator[Cluster]:
-    c = Cluster(migrated, tmp_path)
+    c = Cluster(routed, tmp_path)
     yield c
     c.stop()
 
 
 @pytest.fixture
-def client_app(migrated: Settings) -> Iterator[Harvest]:
-    """The enqueuing side, with the test jobs registered."""
-    app = Harvest(migrated)
+def client_app(routed: Settings) -> Iterator[Harvest]:
+    """The enqueuing side, with the test jobs registered (through the pooler when the test
+    is routed through one)."""
+    app = Harvest(routed)
     app.load_imports(["tests.jobs"])
     yield app
     app.close()

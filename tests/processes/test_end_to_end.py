@@ -1,4 +1,9 @@
-"""The core promise, on real processes: enqueue -> schedule worker -> execution worker -> done."""
+"""The core promise, on real processes: enqueue -> schedule worker -> execution worker -> done.
+
+Each test runs twice: straight to Postgres, and through a real PgBouncer in transaction mode
+(``HARVEST_DATABASE_POOLER=transaction``) whose pool of server connections is smaller than the
+number of harvest processes; that run also fails if any log says the pooler broke something
+(the ``routed`` fixture)."""
 
 from __future__ import annotations
 
@@ -11,22 +16,42 @@ from sqlalchemy import Engine, text
 
 from harvest.app import Harvest
 from harvest.models import JobStatus
+from tests.pgbouncer import POOL_SIZE, PgBouncer
 from tests.processes.conftest import Cluster, statuses, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.parametrize("routed", ["direct", "pgbouncer"], indirect=True),
+]
 
 
 def test_thousand_jobs_each_finish_exactly_once(
-    cluster: Cluster, client_app: Harvest, effects: Engine
+    cluster: Cluster, client_app: Harvest, effects: Engine, request: pytest.FixtureRequest
 ) -> None:
-    cluster.up(execution=1)
-    ids = client_app.enqueue_many("effect", [{} for _ in range(1000)])
-    assert len(ids) == 1000
+    bouncer: PgBouncer | None = None
+    if cluster.settings.pooled:
+        # 21 harvest processes (2 schedule, 4 x 3 execution and their 5 parents, beat, this
+        # one) through PgBouncer's 10 server connections.
+        bouncer = request.getfixturevalue("pgbouncer")
+        cluster.worker("schedule", concurrency=2)
+        for _ in range(4):
+            cluster.worker("execution", concurrency=3)
+        cluster.beat()
+    else:
+        cluster.up(execution=1)
+    # Sync handlers, and async ones on each execution process's event loop (its own pool).
+    ids = client_app.enqueue_many("effect", [{} for _ in range(700)])
+    ids += client_app.enqueue_many("async_effect", [{} for _ in range(300)])
+    assert len(set(ids)) == 1000
+    clients = [0]
+
+    def done() -> bool:
+        if bouncer is not None:
+            clients[0] = max(clients[0], bouncer.clients() - 1)  # not the console's own
+        return statuses(effects, ids).get("succeeded") == 1000
 
     try:
-        wait_until(
-            lambda: statuses(effects, ids).get("succeeded") == 1000, 180, 0.5, "1000 succeeded"
-        )
+        wait_until(done, 180, 0.5, "1000 succeeded")
     except AssertionError:
         print(statuses(effects, ids), cluster.logs())
         raise
@@ -42,6 +67,8 @@ def test_thousand_jobs_each_finish_exactly_once(
     assert sorted(j for j, _ in per_job) == sorted(ids)
     assert {n for _, n in per_job} == {1}
     assert tuple(attempts) == (1, 1)
+    if bouncer is not None:  # many more clients than server connections, all served
+        assert clients[0] > 2 * POOL_SIZE, clients[0]
 
 
 def test_failing_job_retries_with_growing_delays_then_fails(
@@ -121,3 +148,40 @@ def test_sigkill_mid_job_is_rescued_and_succeeds(
     assert job.attempts == 2  # the killed attempt counted, the second succeeded
     # lease TTL 3 s + rescue every 1 s + the 4 s job itself, with slack for process start.
     assert recovered < 30
+
+
+def test_every_second_schedule_fires_exactly_once_per_fire_time(
+    cluster: Cluster, client_app: Harvest, engine: Engine
+) -> None:
+    client_app.schedule(
+        "every-second", "tick", every=1, payload={"schedule": "every-second"},
+        misfire="catch_up", catch_up=30,
+    )  # fmt: skip
+    cluster.worker("schedule", concurrency=2)  # two schedule processes race for each tick
+    cluster.worker("execution", concurrency=2)
+    cluster.beat()
+
+    def ticks_run() -> int:
+        with engine.connect() as conn:
+            return int(
+                conn.execute(
+                    text(
+                        "SELECT count(*) FROM harvest_jobs "
+                        "WHERE name = 'tick' AND status = 'succeeded'"
+                    )
+                ).scalar_one()
+            )
+
+    wait_until(lambda: ticks_run() >= 8, 90, 0.5, "8 ticks to run")
+    stopped = client_app.pause_schedule("every-second")
+    with engine.connect() as conn:
+        runs = conn.execute(
+            text(
+                "SELECT run_at, count(*) AS n FROM harvest_jobs WHERE name = 'tick' "
+                "GROUP BY run_at ORDER BY run_at"
+            )
+        ).all()
+    assert {r.n for r in runs} == {1}, "a fire time got more than one job"
+    times = [r.run_at for r in runs]
+    assert {(b - a).total_seconds() for a, b in itertools.pairwise(times)} == {1.0}, times
+    assert stopped.last_fired_at == times[-1]

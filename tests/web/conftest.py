@@ -24,7 +24,7 @@ from harvest import keystore
 from harvest.app import Harvest
 from harvest.procs import ProcessGroup
 from harvest.settings import Settings
-from harvest.web import auth, create_app
+from harvest.web import auth, create_app, serve
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -49,15 +49,16 @@ FAST = {
 
 
 class Server:
-    """One uvicorn server in a thread, on a socket bound before it starts (no port race)."""
+    """One uvicorn server in a thread, on a socket bound before it starts (no port race), with
+    the bounds of ``harvest web`` (harvest.web.serve; ``bounds`` overrides them)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, **bounds: Any) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(app, log_level="warning", lifespan="on", access_log=False)
+        config = serve.config(app, log_level="warning", lifespan="on", access_log=False, **bounds)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True

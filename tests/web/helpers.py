@@ -39,3 +39,20 @@ def db_status(engine: Engine, job_id: int) -> str | None:
             text("SELECT status FROM harvest_jobs WHERE id = :id"), {"id": job_id}
         ).scalar_one_or_none()
     return None if value is None else str(value)
+
+
+def forget_logins(redis_url: str) -> None:
+    """Clear the dashboard's login throttling state (failure counts and locks) in Redis."""
+    import redis
+
+    from harvest.coordination.keys import LOGIN_PREFIX
+
+    client = redis.Redis.from_url(redis_url)
+    try:
+        names = list(
+            client.scan_iter(match=LOGIN_PREFIX.replace("{", "\\{").replace("}", "\\}") + "*")
+        )
+        if names:
+            client.delete(*names)
+    finally:
+        client.close()

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import redis
 
-from harvest import Harvest, JobContext
+from harvest import Harvest, JobContext, RetryPolicy
 
 app = Harvest()
 
@@ -25,6 +26,25 @@ def flaky(ctx: JobContext, note: str = "") -> dict[str, Any]:
     if not allowed:
         raise RuntimeError(f"upstream refused {note!r}: the flag {FLAG} is not set yet")
     return {"note": note, "attempt": ctx.attempt}
+
+
+@app.job("web_three_tries", max_attempts=3)
+def three_tries(ctx: JobContext) -> None:
+    raise RuntimeError(f"try {ctx.attempt} failed")
+
+
+@app.job("web_retry_later", max_attempts=3, retry=RetryPolicy(base=600, max_delay=600, jitter=0))
+def retry_later(ctx: JobContext) -> None:
+    """Fails; its next attempt is 10 minutes away (a job to see under "retrying")."""
+    raise RuntimeError(f"upstream answered 503 on attempt {ctx.attempt}")
+
+
+@app.job("web_waits", timeout=60)
+def waits(ctx: JobContext, seconds: float = 5.0) -> None:
+    """Runs until ``seconds`` pass or it is cancelled (a job to see in Processes)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not ctx.cancelled:
+        time.sleep(0.1)
 
 
 @app.job("web_noop")

@@ -23,7 +23,7 @@ from harvest.errors import ConfigurationError
 from harvest.settings import Settings
 from harvest.web import api, auth, create_app, pages
 from tests.web.conftest import Server, Web, csrf_token
-from tests.web.helpers import db_status, end_as
+from tests.web.helpers import db_status, end_as, forget_logins
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -54,7 +54,7 @@ def _basic(user: str, password: str) -> dict[str, str]:
 
 
 def test_every_page_and_api_route_refuses_requests_without_credentials(
-    web: Web, routes: list[tuple[str, str]]
+    web: Web, routes: list[tuple[str, str]], migrated: Settings
 ) -> None:
     wrong = [
         {},
@@ -71,6 +71,7 @@ def test_every_page_and_api_route_refuses_requests_without_credentials(
                 assert response.status_code == 401, (method, path, headers)
                 assert response.headers["www-authenticate"].startswith("Basic")
                 assert "set-cookie" not in response.headers
+            forget_logins(migrated.redis_url)  # 3 wrong guesses a route: not throttled here
         ok = client.get("/api/overview", headers=_basic(web.user, web.password))
         assert ok.status_code == 200
 
@@ -157,6 +158,8 @@ def test_credentials_are_required_and_checked() -> None:
         ("admin", "s3cr3t"),
         ("ad:min", "long-enough-password"),
         ("  ", "long-enough-password"),
+        ("admin", " " * 8),
+        ("admin", "\t \n \u3000\u00a0   "),
     ]
     for user, password in refused:
         with pytest.raises(ConfigurationError) as caught:
@@ -207,6 +210,24 @@ def test_the_command_refuses_without_credentials(monkeypatch: pytest.MonkeyPatch
     result = CliRunner().invoke(cli, ["--host", "0.0.0.0", "--insecure-no-auth"])
     assert isinstance(result.exception, ConfigurationError)
     assert "only allowed on loopback" in str(result.exception)
+
+
+def test_a_password_of_only_whitespace_is_refused_at_start_in_one_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from harvest.cli import main
+
+    monkeypatch.setenv("HARVEST_WEB_USER", "admin")
+    monkeypatch.setenv("HARVEST_WEB_PASSWORD", " " * 8)
+    monkeypatch.setattr(sys, "argv", ["harvest", "web", "--port", "1"])
+    with pytest.raises(SystemExit) as ended:
+        main()
+    assert ended.value.code == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines == [
+        "error: HARVEST_WEB_PASSWORD is only whitespace: use at least 8 characters that are "
+        "not all spaces"
+    ]
 
 
 @pytest.fixture

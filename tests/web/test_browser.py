@@ -3,6 +3,7 @@ Postgres, Redis and Celery workers. Screenshots of every page go to tests/artifa
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -169,3 +170,141 @@ def test_a_key_disabled_from_the_page_is_never_leased_again(
     got = pool.lease_many("after-enable", 5.0, 6)
     assert not isinstance(got, Busy)
     assert keys["beta"].id in {lease.key_id for lease in got}
+
+
+def test_a_running_job_appears_in_processes_under_its_worker(
+    page: Any, harvest: Harvest, workers: ProcessGroup, clean_db: Engine
+) -> None:
+    """Processes lists each live execution process and the job it runs now; `harvest
+    workers` says the same; when the job ends it leaves the list."""
+    workers.up(execution=1, concurrency=1)
+    workers.wait_ready()
+    ref = harvest.enqueue("web_waits", {"seconds": 30})
+    _eventually(lambda: harvest.get(ref.id).status is JobStatus.RUNNING, 60, "the job to run")
+
+    def listed() -> bool:
+        page.goto("/processes")
+        return page.locator(f'[data-process] tr[data-job-id="{ref.id}"]').count() == 1
+
+    _eventually(listed, 30, "the running job on the Processes page")
+    process = page.locator(f'[data-process]:has(tr[data-job-id="{ref.id}"])')
+    expect(process.locator(f'tr[data-job-id="{ref.id}"]')).to_contain_text("web_waits")
+    expect(process.locator(f'tr[data-job-id="{ref.id}"]')).to_contain_text("running")
+    worker = harvest.get(ref.id).worker
+    assert worker and process.get_attribute("data-process") == worker
+    screenshot(page, "processes")
+    harvest.cancel(ref.id)
+    _eventually(lambda: harvest.get(ref.id).status is JobStatus.CANCELLED, 30, "the cancel")
+
+    def gone() -> bool:
+        page.goto("/processes")
+        return page.locator(f'tr[data-job-id="{ref.id}"]').count() == 0
+
+    _eventually(gone, 30, "the ended job to leave the Processes page")
+
+
+def _when(value: Any) -> str:
+    """A time as the pages show it in a title (harvest.web.pages.when)."""
+    from harvest.web.pages import when
+
+    return when(value)
+
+
+def test_a_delayed_job_appears_under_scheduled_with_its_run_at(
+    page: Any, harvest: Harvest, clean_db: Engine
+) -> None:
+    later = harvest.enqueue("web_noop", {"n": 1}, delay=3600)
+    due = harvest.enqueue("web_noop", {"n": 2})
+    page.goto("/jobs")
+    page.locator('nav.tabs a[data-state="scheduled"]').click()
+    expect(page.locator("nav.tabs a.current")).to_have_text("scheduled")
+    row = page.locator(f'tr[data-job-id="{later.id}"]')
+    cell = row.locator('[data-field="run-at"]')
+    expect(cell).to_have_text(re.compile(r"^in (59|60)m$"))
+    expect(cell).to_have_attribute("title", _when(harvest.get(later.id).run_at))
+    expect(page.locator(f'tr[data-job-id="{due.id}"]')).to_have_count(0)
+    screenshot(page, "jobs-scheduled")
+    page.locator('nav.tabs a[data-state="ready"]').click()
+    expect(page.locator(f'tr[data-job-id="{due.id}"]')).to_have_count(1)
+    expect(page.locator(f'tr[data-job-id="{later.id}"]')).to_have_count(0)
+
+
+def test_a_retrying_job_shows_its_next_attempt_and_three_attempts_show_three_rows(
+    page: Any, harvest: Harvest, workers: ProcessGroup, clean_db: Engine
+) -> None:
+    workers.up(execution=1, concurrency=2)
+    workers.wait_ready()
+    waiting = harvest.enqueue("web_retry_later")
+    dead = harvest.enqueue("web_three_tries")
+
+    def retrying() -> bool:
+        job = harvest.get(waiting.id)
+        return job.status is JobStatus.PENDING and job.attempts == 1
+
+    _eventually(retrying, 60, "the first attempt to fail and wait for its retry")
+    job = harvest.get(waiting.id)
+    page.goto("/jobs?state=retrying")
+    row = page.locator(f'tr[data-job-id="{waiting.id}"]')
+    expect(row.locator('[data-field="run-at"]')).to_have_attribute("title", _when(job.run_at))
+    expect(row.locator('[data-field="run-at"]')).to_have_text(re.compile(r"^in (9|10)m$"))
+    expect(row.locator("td.error")).to_contain_text("upstream answered 503 on attempt 1")
+    screenshot(page, "jobs-retrying")
+
+    assert harvest.wait(dead.id, timeout=60).status is JobStatus.FAILED
+    page.goto(f"/jobs/{dead.id}")
+    history = page.locator('[data-field="attempt-history"] tbody tr')
+    expect(history).to_have_count(3)
+    for n in (1, 2, 3):
+        attempt = page.locator(f'[data-field="attempt-history"] tr[data-attempt="{n}"]')
+        expect(attempt).to_contain_text(f"try {n} failed")
+        expect(attempt).to_contain_text("failed" if n == 3 else "retry")
+    screenshot(page, "job-attempts")
+
+
+def test_a_paused_queue_dispatches_nothing_until_resumed(
+    page: Any, harvest: Harvest, workers: ProcessGroup, clean_db: Engine
+) -> None:
+    workers.up(execution=1, concurrency=2)
+    workers.wait_ready()
+    harvest.enqueue("web_noop", {"n": 0}, delay=3600)  # the queue is known: it holds a job
+    page.goto("/queues")
+    row = page.locator('tr[data-queue="execution"]')
+    expect(row.locator('[data-field="state"]')).to_have_text("active")
+    row.get_by_role("button", name="Pause").click()
+    expect(page.locator(".message")).to_contain_text("Queue paused")
+    expect(row.locator('[data-field="state"]')).to_have_text("paused")
+
+    refs = harvest.enqueue_many("web_noop", [{"n": i} for i in range(1, 6)])
+    harvest.nudge()
+    time.sleep(5)  # beat ticks dispatch every 0.5 s: ten chances to take them
+    assert {harvest.get(i).status for i in refs} == {JobStatus.PENDING}
+    assert all(harvest.get(i).dispatched_at is None for i in refs)
+    page.reload()
+    expect(row.locator('[data-field="ready"]')).to_have_text("5")
+    screenshot(page, "queues-paused")
+
+    row.get_by_role("button", name="Resume").click()
+    expect(page.locator(".message")).to_contain_text("Queue resumed")
+    for job_id in refs:
+        assert harvest.wait(job_id, timeout=60).status is JobStatus.SUCCEEDED
+
+
+def test_search_finds_a_job_by_a_payload_path(
+    page: Any, harvest: Harvest, clean_db: Engine
+) -> None:
+    wanted = harvest.enqueue("web_flaky", {"note": "https://example.org/wanted"})
+    other = harvest.enqueue("web_flaky", {"note": "https://example.org/other"})
+    page.goto("/jobs")
+    page.get_by_role("searchbox", name="search jobs").fill(
+        "payload.note = https://example.org/wanted"
+    )
+    page.get_by_role("button", name="Search").click()
+    expect(page.locator(f'tr[data-job-id="{wanted.id}"]')).to_have_count(1)
+    expect(page.locator(f'tr[data-job-id="{other.id}"]')).to_have_count(0)
+    expect(page.get_by_role("searchbox", name="search jobs")).to_have_value(
+        "payload.note = https://example.org/wanted"
+    )
+    screenshot(page, "jobs-search")
+    page.get_by_role("searchbox", name="search jobs").fill("colour = red")
+    page.get_by_role("button", name="Search").click()
+    expect(page.locator("main")).to_contain_text("unknown field 'colour'")

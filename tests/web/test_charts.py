@@ -59,3 +59,12 @@ def test_lines_break_at_gaps_and_carry_each_value() -> None:
 def test_an_empty_chart_still_draws() -> None:
     root = ET.fromstring(str(charts.bars("nothing", [], [])))
     assert root.get("viewBox") == f"0 0 {charts.WIDTH} {charts.HEIGHT}"
+
+
+def test_axis_numbers_are_never_in_exponent_form() -> None:
+    from harvest.web.charts import _fmt
+
+    assert [_fmt(v, "") for v in (1000, 2500, 25_000, 0.5, 12.5, 0)] == [
+        "1,000", "2,500", "25k", "0.5", "12.5", "0",
+    ]  # fmt: skip
+    assert _fmt(0.0123, "s") == "12.3 ms" and _fmt(1500, "/s") == "1,500/s"

@@ -12,7 +12,7 @@ import pytest
 import requests
 import schemathesis
 from hypothesis import HealthCheck, settings
-from schemathesis.checks import negative_data_rejection
+from schemathesis.checks import negative_data_rejection, positive_data_acceptance
 from sqlalchemy import Engine
 
 from harvest.app import Harvest
@@ -20,7 +20,7 @@ from harvest.keystore import Cipher
 from harvest.settings import Settings
 from harvest.web import create_app
 from tests.web.conftest import Web, add_keys
-from tests.web.helpers import end_as
+from tests.web.helpers import end_as, forget_logins
 
 pytestmark = pytest.mark.slow
 
@@ -73,16 +73,19 @@ schema = schemathesis.openapi.from_dict(_document())
     derandomize=True,
 )
 def test_the_api_never_answers_with_a_server_error(
-    case: Any, web: Web, session: requests.Session, some_data: None
+    case: Any, web: Web, session: requests.Session, some_data: None, migrated: Settings
 ) -> None:
+    forget_logins(migrated.redis_url)  # its checks send wrong credentials: no lock carried over
+    # Unknown query parameters are ignored, as most HTTP APIs do (not refused with 4xx).
+    excluded = [negative_data_rejection]
+    if case.operation.path == "/api/jobs":
+        # A search's grammar (q) cannot be said in a schema: an unreadable one is refused with
+        # the declared 422 body, which the response-schema check still holds it to.
+        excluded.append(positive_data_acceptance)
     case.call_and_validate(
-        base_url=web.url,
-        session=session,
-        headers=_basic(web),
-        timeout=30,
-        # Unknown query parameters are ignored, as most HTTP APIs do (not refused with 4xx).
-        excluded_checks=[negative_data_rejection],
-    )
+        base_url=web.url, session=session, headers=_basic(web), timeout=30,
+        excluded_checks=excluded,
+    )  # fmt: skip
 
 
 def test_the_served_document_is_the_one_fuzzed(web: Web) -> None:

@@ -1,10 +1,20 @@
 -- Lease up to N keys from a pool, atomically with one rate permit per lease.
 -- Usable key: not disabled, no cooldown running (a cooling key whose cooldown is over is active
 -- again by itself), live leases < max (expired leases are purged here first), and its sliding
--- rate window (now - period, now] holds fewer than rate_n grants. Each lease goes to the least
+-- rate window (now - period, now] holds fewer than rate_n grants, and (when the call declares a
+-- cost and the key a token budget) its token window (now - tpm period, now] holds at most
+-- tpm - cost tokens (reservations of live calls at their declared cost, ended calls at what they
+-- used: see pool_release.lua). Each lease goes to the least
 -- loaded usable key (live / max); ties go to the first key in a rotating order (round robin,
 -- the cursor advances on every call).
--- Per-key names are <prefix>key:<id>, <prefix>leases:<id>, <prefix>rate:<id> (see keys.py).
+-- Per-key names are <prefix>key:<id>, <prefix>leases:<id>, <prefix>rate:<id>,
+-- <prefix>tokens:<id> (see keys.py). A token window entry is the member "<fence>:<tokens>" scored
+-- with its grant time. A key whose budget is below the cost can never admit it: it is skipped.
+-- Learned limits (see pool_key_admin.lua "throttle" and pool_release.lua): a key admits by its
+-- effective concurrency and rate (eff_max, eff_rate: the declared ones lowered after 429s, never
+-- above them, at least 1), and while the service's last announcement (ann_req / ann_tok, from its
+-- rate-limit headers) runs, by what it said was left: each grant takes one request and the cost
+-- from it, and at 0 the key waits for the announced reset.
 --
 -- KEYS[1]  epoch STRING (absent: pool not loaded)
 -- KEYS[2]  members ZSET: key_id -> key_id
@@ -13,12 +23,14 @@
 --          microseconds, so fences keep increasing across a Redis restart)
 -- ARGV[1]  pool prefix (keys.pool_prefix)
 -- ARGV[2]  lease ttl in microseconds
--- ARGV[3..] one token per lease wanted
+-- ARGV[3]  tokens each call will cost (0: no token check)
+-- ARGV[4..] one token per lease wanted
 -- Returns  {-1} when the pool is not loaded; otherwise
 --          {granted, retry_after_us, key_id_1, fence_1, expires_at_us_1, key_id_2, ...}
 --          where retry_after_us (when fewer than wanted were granted) is the time until a key
---          could be usable again (earliest lease expiry, cooldown end or rate window slide),
---          -1 when time alone frees nothing (no keys, or all disabled), 0 when all were granted.
+--          could be usable again (earliest lease expiry, cooldown end, rate or token window slide),
+--          -1 when time alone frees nothing (no keys, or all disabled), -2 when the cost is above
+--          every key's token budget (no key could ever admit it), 0 when all were granted.
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 if redis.call('EXISTS', KEYS[1]) == 0 then
@@ -26,7 +38,10 @@ if redis.call('EXISTS', KEYS[1]) == 0 then
 end
 local prefix = ARGV[1]
 local ttl = tonumber(ARGV[2])
+local cost = tonumber(ARGV[3])
 local retry = -1
+local fits = false -- some key's budget (whatever its status) could hold one such call
+local seen = 0 -- keys with a config
 
 local function sooner(wait)
   if retry < 0 or wait < retry then
@@ -34,10 +49,36 @@ local function sooner(wait)
   end
 end
 
+-- the effective limit: the declared one, or the learned one below it (at least 1)
+local function learned(declared, eff)
+  eff = tonumber(eff)
+  if eff == nil then
+    return declared
+  end
+  return math.max(1, math.min(declared, math.floor(eff)))
+end
+
+-- what the service said is left, while its reset is ahead (nil: nothing announced now)
+local function announced(left, until_us)
+  until_us = tonumber(until_us) or 0
+  if until_us <= now then
+    return nil, 0
+  end
+  return tonumber(left), until_us
+end
+
 local function load_key(id)
   local c = redis.call('HMGET', prefix .. 'key:' .. id,
-    'max', 'rate_n', 'rate_us', 'status', 'cool_until')
-  if c[4] == 'disabled' or not c[1] then
+    'max', 'rate_n', 'rate_us', 'status', 'cool_until', 'tpm', 'tpm_us',
+    'eff_max', 'eff_rate', 'ann_req', 'ann_req_until', 'ann_tok', 'ann_tok_until')
+  if not c[1] then
+    return nil
+  end
+  seen = seen + 1
+  if cost == 0 or (tonumber(c[6]) or 0) == 0 or tonumber(c[6]) >= cost then
+    fits = true
+  end
+  if c[4] == 'disabled' then
     return nil
   end
   local cool = tonumber(c[5]) or 0
@@ -47,12 +88,30 @@ local function load_key(id)
   end
   local k = {id = id, max = tonumber(c[1]), rate_n = tonumber(c[2]) or 0,
     rate_us = tonumber(c[3]) or 0, leases = prefix .. 'leases:' .. id,
-    rate = prefix .. 'rate:' .. id, used = 0}
+    rate = prefix .. 'rate:' .. id, used = 0, tpm = tonumber(c[6]) or 0,
+    tpm_us = tonumber(c[7]) or 0, tokens = prefix .. 'tokens:' .. id, spent = 0, entries = {},
+    config = prefix .. 'key:' .. id}
+  k.max = learned(k.max, c[8])
+  if k.rate_n > 0 then
+    k.rate_n = learned(k.rate_n, c[9])
+  end
+  k.ann_req, k.ann_req_until = announced(c[10], c[11])
+  k.ann_tok, k.ann_tok_until = announced(c[12], c[13])
+  if cost > 0 and k.tpm > 0 and cost > k.tpm then
+    return nil -- this key's budget can never hold one such call
+  end
   redis.call('ZREMRANGEBYSCORE', k.leases, '-inf', now)
   k.live = redis.call('ZCARD', k.leases)
   if k.rate_n > 0 then
     redis.call('ZREMRANGEBYSCORE', k.rate, '-inf', now - k.rate_us)
     k.used = redis.call('ZCARD', k.rate)
+  end
+  if cost > 0 and k.tpm > 0 then
+    redis.call('ZREMRANGEBYSCORE', k.tokens, '-inf', now - k.tpm_us)
+    k.entries = redis.call('ZRANGE', k.tokens, 0, -1, 'WITHSCORES')
+    for i = 1, #k.entries, 2 do
+      k.spent = k.spent + tonumber(string.match(k.entries[i], ':(%d+)$'))
+    end
   end
   return k
 end
@@ -76,6 +135,9 @@ end
 
 local function admits(k)
   return k.live < k.max and (k.rate_n == 0 or k.used < k.rate_n)
+    and (cost == 0 or k.tpm == 0 or k.spent + cost <= k.tpm)
+    and (k.ann_req == nil or k.ann_req > 0)
+    and (k.ann_tok == nil or k.ann_tok >= math.max(cost, 1))
 end
 
 local function pick(keys)
@@ -103,6 +165,22 @@ local function grant(k, token)
     redis.call('ZADD', k.rate, now, fence)
     k.used = k.used + 1
   end
+  if cost > 0 and k.tpm > 0 then
+    local member = string.format('%.0f:%.0f', fence, cost) -- not tostring: 14 digits only
+    redis.call('ZADD', k.tokens, now, member)
+    k.spent = k.spent + cost
+    -- entries stay in time order: this grant is the latest
+    table.insert(k.entries, member)
+    table.insert(k.entries, string.format('%.0f', now))
+  end
+  if k.ann_req ~= nil then
+    k.ann_req = k.ann_req - 1
+    redis.call('HSET', k.config, 'ann_req', k.ann_req)
+  end
+  if k.ann_tok ~= nil then
+    k.ann_tok = k.ann_tok - cost
+    redis.call('HSET', k.config, 'ann_tok', k.ann_tok)
+  end
   return fence
 end
 
@@ -116,12 +194,28 @@ local function wait_for(k)
     local r = redis.call('ZRANGE', k.rate, k.used - k.rate_n, k.used - k.rate_n, 'WITHSCORES')
     wait = math.max(wait, tonumber(r[2]) + k.rate_us - now)
   end
+  if cost > 0 and k.tpm > 0 and k.spent + cost > k.tpm then
+    local freed = 0
+    for i = 1, #k.entries, 2 do
+      freed = freed + tonumber(string.match(k.entries[i], ':(%d+)$'))
+      if k.spent - freed + cost <= k.tpm then
+        wait = math.max(wait, tonumber(k.entries[i + 1]) + k.tpm_us - now)
+        break
+      end
+    end
+  end
+  if k.ann_req ~= nil and k.ann_req <= 0 then
+    wait = math.max(wait, k.ann_req_until - now)
+  end
+  if k.ann_tok ~= nil and k.ann_tok < math.max(cost, 1) then
+    wait = math.max(wait, k.ann_tok_until - now)
+  end
   return wait
 end
 
 local keys = load_usable()
 local out = {0, 0}
-for i = 3, #ARGV do
+for i = 4, #ARGV do
   local k = pick(keys)
   if k == nil then
     break
@@ -132,10 +226,13 @@ for i = 3, #ARGV do
   table.insert(out, fence)
   table.insert(out, now + ttl)
 end
-if out[1] < #ARGV - 2 then
+if out[1] < #ARGV - 3 then
   for _, k in ipairs(keys) do
     sooner(wait_for(k))
   end
   out[2] = retry
+  if out[1] == 0 and not fits and seen > 0 then
+    out[2] = -2
+  end
 end
 return out

@@ -1,0 +1,311 @@
+"""The asyncio shell: drives :mod:`harvest.execution.core` for ``async def`` handlers, many at
+once on one event loop per worker process (started after fork, never before).
+
+Its I/O never blocks the loop: Postgres through psycopg's async connections (grouped fenced
+writes, :mod:`harvest.execution.writer`), Redis through ``redis.asyncio`` (the same Lua
+scripts), HTTP through one ``httpx.AsyncClient`` per key. Each job's handler runs as its own
+task, so a time limit or a cancellation really stops it (it gets ``CancelledError``). One
+heartbeat task renews the leases of every job in flight in one statement per tick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from collections.abc import Generator
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import httpx
+from psycopg_pool import AsyncConnectionPool
+from redis.asyncio import Redis as AsyncRedis
+
+from harvest.context import JobContext
+from harvest.execution import core, sql, tracking
+from harvest.execution import effects as fx
+from harvest.execution.observe import Received, notify
+from harvest.execution.tracking import Tracked
+from harvest.execution.writer import Writer
+from harvest.gate import AsyncGate, Gate
+from harvest.usage import Tally
+
+if TYPE_CHECKING:
+    from harvest.app import Harvest
+
+log = logging.getLogger("harvest.runner")
+
+T = TypeVar("T")
+CANCEL_GRACE = 5.0  # seconds a cancelled handler gets to clean up before it is abandoned
+CLIENT_IDLE = 300.0  # an HTTP client of a key unused this long is closed
+
+
+class AsyncClients:
+    """One ``httpx.AsyncClient`` per API key on this loop, shared by the jobs holding that key
+    (an AsyncClient is safe to share between tasks; its keep-alive pool is the point).
+    The key's own lease limits how many calls use it at once."""
+
+    def __init__(self, *, idle: float = CLIENT_IDLE) -> None:
+        self.idle = idle
+        self._clients: dict[int, tuple[httpx.AsyncClient, float]] = {}
+
+    def get(self, key_id: int, secret: str) -> httpx.AsyncClient:
+        found = self._clients.get(key_id)
+        client = found[0] if found is not None and not found[0].is_closed else None
+        if client is None:
+            client = httpx.AsyncClient(
+                headers={"Authorization": f"Bearer {secret}"},
+                timeout=30.0,
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            )
+        self._clients[key_id] = (client, time.monotonic())
+        return client
+
+    async def prune(self) -> None:
+        cutoff = time.monotonic() - self.idle
+        for key_id, (client, used) in list(self._clients.items()):
+            if used < cutoff:
+                del self._clients[key_id]
+                await client.aclose()
+
+    async def close(self) -> None:
+        clients, self._clients = self._clients, {}
+        for client, _ in clients.values():
+            await client.aclose()
+
+
+class AsyncShell:
+    def __init__(
+        self,
+        app: Harvest,
+        plan: core.Plan,
+        *,
+        pool: AsyncConnectionPool[Any],
+        redis: AsyncRedis,
+        gate: Gate,
+        writer: Writer,
+        usage: Tally | None = None,
+    ) -> None:
+        self.app, self.plan = app, plan
+        self.usage = usage if usage is not None else Tally()  # the process's, shared
+        self.pool, self.redis, self.writer = pool, redis, writer
+        self.gate = AsyncGate(gate, redis)
+        self.clients = AsyncClients()
+        self.tracked: dict[int, Tracked] = {}
+        self._waiting: dict[str, collections.deque[asyncio.Future[None]]] = {}  # by pool
+
+    # --- a message ------------------------------------------------------------------------
+
+    def track(self, pair: sql.Pair, held: sql.Held) -> Tracked:
+        tracked = Tracked(pair[0], pair[1], held.name, held.attempts + 1)
+        self.tracked[tracked.job_id] = tracked
+        event = Received(pair[0], held.name, held.attempts + 1, self.plan.worker)
+        notify(self.app.observers, event)
+        return tracked
+
+    def untrack(self, tracked: Tracked) -> None:
+        if self.tracked.get(tracked.job_id) is tracked:
+            del self.tracked[tracked.job_id]
+
+    async def run(self, tracked: Tracked, held: sql.Held) -> tuple[str, ...]:
+        """One held job, start to end."""
+        spec = self.app.jobs.get(held.name)
+        try:
+            attempt = core.attempt(
+                tracked, spec, self.plan, deferred_for=held.deferred_for, payload=held.payload
+            )
+            return await self.drive(attempt)
+        finally:
+            self.untrack(tracked)
+
+    # --- the driver -----------------------------------------------------------------------
+
+    async def drive(self, gen: Generator[fx.Effect, Any, T]) -> T:
+        """Run ``gen`` to its end, awaiting each effect it yields."""
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                effect = gen.throw(error) if error is not None else gen.send(value)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            try:
+                value, error = await self.perform(effect), None
+            except BaseException as exc:
+                value, error = None, exc
+
+    async def perform(self, e: fx.Effect) -> Any:
+        match e:
+            case fx.Clock():
+                return time.monotonic()
+            case fx.RatePermit(spec):
+                return await self.gate.rate_permit(spec)
+            case fx.LeaseKey(pool, holder, cost):
+                return await self.gate.try_lease(pool, holder, cost)
+            case fx.LoadPool(pool):
+                return await self.gate.load_pool(pool)
+            case fx.AwaitKey(pool, seconds):
+                return await self._await_key(pool, seconds)
+            case fx.Defer(row):
+                return await self.writer.defer(row)
+            case fx.Start(job_id, token):
+                return await self.writer.start((job_id, token))
+            case fx.Secret(lease):
+                return await self.gate.secret(lease)
+            case fx.RunHandler():
+                return await self.run_handler(e)
+            case fx.CoolKey(lease, seconds, exhausted):
+                return await self.gate.rate_limited(lease, seconds, exhausted)
+            case fx.DisableKey(lease):
+                return await self.gate.rejected(lease)
+            case fx.Finish(row):
+                return await self.writer.finish(row)
+            case fx.ReleaseKey(lease, used, succeeded, announced):
+                await self.gate.release(lease, used, succeeded, announced)
+                self._wake_one(lease.pool)
+                return None
+            case fx.CountUsage(call):
+                return self.usage.add(call)
+            case fx.Bump(name, n):
+                return self.writer.bump(name, n)
+            case fx.Notify(event):
+                return notify(self.app.observers, event)
+        raise TypeError(f"unknown effect {e!r}")
+
+    async def _await_key(self, pool: str, seconds: float) -> None:
+        """Sleep until a key of ``pool`` is freed in this process, or ``seconds`` pass. First
+        come, first woken: a freed key wakes one waiter, not all of them (each woken waiter
+        is a lease attempt in Redis; waking hundreds for one key is a stampede)."""
+        freed = asyncio.get_running_loop().create_future()
+        queue = self._waiting.setdefault(pool, collections.deque())
+        queue.append(freed)
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(freed, seconds)
+        finally:
+            if not freed.done() or freed.cancelled():
+                with contextlib.suppress(ValueError):
+                    queue.remove(freed)
+
+    def _wake_one(self, pool: str) -> None:
+        queue = self._waiting.get(pool)
+        while queue:
+            freed = queue.popleft()
+            if not freed.done():
+                freed.set_result(None)
+                return
+
+    def wake_all(self) -> None:
+        """Wake every job waiting for a key (shutdown: they hand themselves back)."""
+        for queue in self._waiting.values():
+            for freed in queue:
+                if not freed.done():
+                    freed.set_result(None)
+            queue.clear()
+
+    # --- running a handler ----------------------------------------------------------------
+
+    async def run_handler(self, e: fx.RunHandler) -> fx.HandlerResult:
+        ctx = self.context(e)
+        timeout = e.job.timeout or e.spec.timeout
+        started = time.monotonic()
+        try:
+            task = asyncio.ensure_future(e.spec.func(ctx, **e.job.payload))
+        except Exception as exc:  # the call itself failed (a payload that does not fit)
+            return fx.HandlerResult(error=exc)
+        e.tracked.handler = task
+        try:
+            done, _ = await asyncio.wait({task}, timeout=timeout)
+        finally:
+            e.tracked.handler = None
+        took = time.monotonic() - started
+        if not done:
+            await _stop(task, e.job.id)
+            return fx.HandlerResult(seconds=took, timed_out=True)
+        if task.cancelled():
+            if e.tracked.handing_back:
+                return fx.HandlerResult(seconds=took, handed_back=True)
+            stopped = asyncio.CancelledError("cancelled while it ran")
+            return fx.HandlerResult(error=stopped, seconds=took, cancelled=True)
+        error = task.exception()
+        if error is not None:
+            return fx.HandlerResult(error=error, seconds=took, cancelled=ctx.cancelled)
+        return fx.HandlerResult(value=task.result(), seconds=took, cancelled=ctx.cancelled)
+
+    def context(self, e: fx.RunHandler) -> JobContext:
+        tracked = e.tracked
+
+        async def key_check() -> bool:
+            return await self.key_still_held(tracked)
+
+        return JobContext(
+            job_id=e.job.id,
+            attempt=e.job.attempt,
+            max_attempts=e.job.max_attempts,
+            name=e.job.name,
+            key=e.secret,
+            lease=e.lease,
+            aclients=self.clients,
+            _alease_check=key_check if e.lease is not None else None,
+            _cancel=tracked.cancel,
+            _used=tracked.used,
+            _observe=tracked.observe,
+        )
+
+    async def key_still_held(self, tracked: Tracked) -> bool:
+        """See :meth:`SyncShell.key_still_held`."""
+        if tracked.key_fresh(time.monotonic()):
+            return True
+        lease = tracked.key_lease
+        if lease is None or tracked.lost or tracked.ended:
+            return False
+        sent_at = time.monotonic()
+        if (await self.gate.heartbeat_many([lease]))[0]:
+            tracked.key_renewed(sent_at, self.plan.lease_ttl)
+            return True
+        log.warning("key lease on key %s of pool %r was lost", lease.key_id, lease.pool)
+        return False
+
+    # --- heartbeat ------------------------------------------------------------------------
+
+    async def beat(self) -> None:
+        """One renewal round for every job this loop holds: one statement, one round trip."""
+        plan = tracking.renewal(self.tracked.values(), time.monotonic())
+        if not plan.jobs:
+            return
+        pairs = [(t.job_id, t.token) for t in plan.jobs]
+        held = await self.writer.run(sql.heartbeat(pairs, ttl=self.plan.lease_ttl))
+        lost, cancelled = tracking.settle(plan.jobs, held)
+        for job in [*lost, *cancelled]:
+            if job.handler is not None:
+                job.handler.cancel()  # a lost job's outcome is dropped; a cancelled one ends
+        keyed = [(t, t.key_lease) for t in plan.keys if not t.lost and t.key_lease is not None]
+        if keyed:
+            sent_at = time.monotonic()
+            renewed = await self.gate.heartbeat_many([lease for _, lease in keyed])
+            tracking.keys_renewed(keyed, renewed, sent_at, self.plan.lease_ttl)
+
+    async def heartbeat_forever(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await self.beat()
+                await self.clients.prune()
+            except Exception as exc:
+                log.warning("heartbeat round failed: %s", type(exc).__name__)
+
+
+async def _stop(task: asyncio.Future[Any], job_id: int) -> None:
+    """Cancel a handler past its deadline and give it a moment to clean up."""
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=CANCEL_GRACE)
+    if not done:
+        log.error(
+            "job %s ignored its cancellation for %gs (a handler that swallows CancelledError); "
+            "its attempt ends as timed out, the task is abandoned",
+            job_id,
+            CANCEL_GRACE,
+        )
+    elif not task.cancelled() and task.exception() is not None:
+        pass  # it raised while cleaning up: the timeout is what counts

@@ -1,0 +1,281 @@
+"""The fenced statements of execution, written once for both shells.
+
+Each function returns a :class:`Query`: the SQL (psycopg's ``%(name)s`` style), its parameters
+and how to read its rows. The blocking shell runs it with :func:`run` on a psycopg connection,
+the asyncio shell with :func:`arun` on an async one; neither knows any SQL. Every statement
+takes many jobs at once (``unnest`` of arrays), and every row is fenced by its own lease token:
+a row whose token no longer matches is left out of the result alone, never the group. The same
+statement with one row is the single-job form.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from psycopg import AsyncConnection
+from psycopg import Connection as PgConnection
+from psycopg.rows import namedtuple_row
+from sqlalchemy import Connection
+
+from harvest.jobs import Started
+from harvest.models import JobStatus
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Query(Generic[T]):
+    """One statement: what to send, and how to read what comes back."""
+
+    sql: str
+    params: Mapping[str, Any]
+    parse: Callable[[list[Any]], T]
+
+
+def raw(conn: Connection | PgConnection[Any]) -> PgConnection[Any]:
+    """The psycopg connection under a SQLAlchemy one (autocommit there means autocommit here)."""
+    if isinstance(conn, PgConnection):
+        return conn
+    if not conn.in_transaction():
+        conn.begin()  # what conn.execute would do (autobegin), so the caller's commit counts
+    driver = conn.connection.driver_connection
+    assert isinstance(driver, PgConnection)
+    return driver
+
+
+def run(conn: Connection | PgConnection[Any], query: Query[T]) -> T:
+    """Run ``query`` on a blocking connection (SQLAlchemy's or psycopg's)."""
+    with raw(conn).cursor(row_factory=namedtuple_row) as cur:
+        cur.execute(query.sql, query.params, prepare=False)
+        return query.parse(cur.fetchall() if cur.description else [])
+
+
+async def arun(conn: AsyncConnection[Any], query: Query[T]) -> T:
+    """Run ``query`` on an asyncio connection."""
+    async with conn.cursor(row_factory=namedtuple_row) as cur:
+        await cur.execute(query.sql, query.params, prepare=False)
+        return query.parse(await cur.fetchall() if cur.description else [])
+
+
+Pair = tuple[int, uuid.UUID]
+
+
+def _pairs(jobs: Sequence[Pair]) -> dict[str, Any]:
+    return {"ids": [j[0] for j in jobs], "tokens": [j[1] for j in jobs]}
+
+
+_HOLD = """
+    UPDATE harvest_jobs AS j
+    SET lease_expires_at = now() + make_interval(secs => %(ttl)s)
+    FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS m(id, token)
+    WHERE j.id = m.id AND j.lease_token = m.token AND j.status = 'dispatched'
+    RETURNING j.id, j.name, j.attempts, j.payload,
+              extract(epoch FROM now() - j.deferred_since) AS deferred_for
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A job of a message this worker holds: its name, and its attempts so far."""
+
+    name: str
+    attempts: int
+    deferred_for: float | None = None  # seconds since a run of deferrals began (None: none)
+    payload: dict[str, Any] | None = None  # what a job's token cost is worked out from
+
+
+def _held(rows: list[Any]) -> dict[int, Held]:
+    return {
+        int(r.id): Held(
+            str(r.name),
+            int(r.attempts),
+            float(r.deferred_for) if r.deferred_for is not None else None,
+            r.payload,
+        )
+        for r in rows
+    }
+
+
+def hold(jobs: Sequence[Pair], *, ttl: float) -> Query[dict[int, Held]]:
+    """A worker took a message: extend the dispatch leases of its jobs whose token still
+    matches. A duplicate or stale delivery (job already started, finished, or dispatched again
+    with a new token) matches nothing and is left out of the result."""
+    return Query(
+        _HOLD,
+        {**_pairs(jobs), "ttl": ttl},
+        _held,
+    )
+
+
+_START = """
+    UPDATE harvest_jobs AS j
+    SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'running' END,
+        attempts = j.attempts + CASE WHEN j.cancel_requested THEN 0 ELSE 1 END,
+        started_at = now(), worker = %(worker)s, deferred_since = NULL,
+        finished_at = CASE WHEN j.cancel_requested THEN now() END,
+        lease_token = CASE WHEN j.cancel_requested THEN NULL ELSE j.lease_token END,
+        lease_expires_at = CASE WHEN j.cancel_requested THEN NULL
+                                ELSE now() + make_interval(secs => %(ttl)s) END
+    FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS m(id, token)
+    WHERE j.id = m.id AND j.lease_token = m.token AND j.status = 'dispatched'
+    RETURNING j.id, m.token, j.name, j.payload, j.attempts, j.max_attempts, j.timeout, j.status,
+              j.tenant
+"""
+
+StartResult = Started | JobStatus
+
+
+def _started(rows: list[Any]) -> dict[int, StartResult]:
+    out: dict[int, StartResult] = {}
+    for r in rows:
+        if r.status != "running":
+            out[int(r.id)] = JobStatus(r.status)
+            continue
+        out[int(r.id)] = Started(
+            id=int(r.id),
+            token=r.token,
+            name=r.name,
+            payload=r.payload,
+            attempt=r.attempts,
+            max_attempts=r.max_attempts,
+            timeout=r.timeout,
+            cancel_requested=False,
+            tenant=r.tenant,
+        )
+    return out
+
+
+def start(jobs: Sequence[Pair], *, ttl: float, worker: str | None) -> Query[dict[int, StartResult]]:
+    """Dispatched -> running, attempt counted, just before each handler runs. A job whose
+    cancellation was requested meanwhile ends cancelled here instead (its value is
+    ``JobStatus.CANCELLED``). A job missing from the result lost its lease (a duplicate or
+    stale delivery)."""
+    return Query(_START, {**_pairs(jobs), "ttl": ttl, "worker": worker}, _started)
+
+
+_HEARTBEAT = """
+    UPDATE harvest_jobs AS j
+    SET lease_expires_at = now() + make_interval(secs => %(ttl)s)
+    FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS m(id, token)
+    WHERE j.id = m.id AND j.lease_token = m.token AND j.status IN ('dispatched', 'running')
+    RETURNING j.id, j.cancel_requested
+"""
+
+
+def heartbeat(jobs: Sequence[Pair], *, ttl: float) -> Query[dict[int, bool]]:
+    """Extend the leases still held (jobs running, or held waiting their turn). The result
+    maps each job still held to whether its cancellation was requested."""
+    return Query(
+        _HEARTBEAT,
+        {**_pairs(jobs), "ttl": ttl},
+        lambda rows: {int(r.id): bool(r.cancel_requested) for r in rows},
+    )
+
+
+# A retry ('pending') of a job someone asked to cancel ends it cancelled instead: harvest
+# checks the cancel request before any retry, whether or not the handler saw it.
+_FINISH = """
+    UPDATE harvest_jobs AS j
+    SET status = CASE WHEN f.status = 'pending' AND j.cancel_requested THEN 'cancelled'
+                      ELSE f.status END,
+        result = f.result::jsonb, last_error = f.error, last_traceback = f.traceback,
+        lease_token = NULL, lease_expires_at = NULL,
+        finished_at = CASE WHEN f.status = 'pending' AND NOT j.cancel_requested THEN NULL
+                           ELSE now() END,
+        run_at = CASE WHEN f.status = 'pending' AND NOT j.cancel_requested
+                      THEN now() + make_interval(secs => f.delay) ELSE j.run_at END,
+        attempts = j.attempts - f.refund
+    FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(statuses)s::text[],
+                %(results)s::text[], %(errors)s::text[], %(tracebacks)s::text[],
+                %(delays)s::float8[], %(refunds)s::int[])
+         AS f(id, token, status, result, error, traceback, delay, refund)
+    WHERE j.id = f.id AND j.lease_token = f.token AND j.status = 'running'
+    RETURNING j.id
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """One attempt's fenced ending."""
+
+    job_id: int
+    token: uuid.UUID
+    status: JobStatus
+    result_json: str | None = None
+    error: str | None = None
+    traceback: str | None = None
+    retry_delay: float = 0.0
+    refund_attempt: bool = False
+
+
+def finish(rows: Sequence[Finish]) -> Query[set[int]]:
+    """The one fenced write that ends each attempt; the result holds the ids written. A job
+    missing from it lost its lease: nothing was written for it (a newer attempt owns it).
+    ``refund_attempt``: the attempt did not count (its key was rate limited or rejected, or the
+    worker handed it back at shutdown), so a retry does not use up an attempt."""
+    params = {
+        "ids": [r.job_id for r in rows],
+        "tokens": [r.token for r in rows],
+        "statuses": [str(r.status) for r in rows],
+        "results": [r.result_json for r in rows],
+        "errors": [r.error for r in rows],
+        "tracebacks": [r.traceback for r in rows],
+        "delays": [float(r.retry_delay) for r in rows],
+        "refunds": [int(r.refund_attempt and r.status is JobStatus.PENDING) for r in rows],
+    }
+    return Query(_FINISH, params, lambda found: {int(r.id) for r in found})
+
+
+_DEFER = """
+    UPDATE harvest_jobs AS j
+    SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'pending' END,
+        finished_at = CASE WHEN j.cancel_requested THEN now() END,
+        lease_token = NULL, lease_expires_at = NULL,
+        deferred_since = COALESCE(j.deferred_since, now()),
+        last_error = COALESCE(d.reason, j.last_error),
+        run_at = now() + make_interval(secs => d.delay)
+    FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(delays)s::float8[], %(reasons)s::text[])
+         AS d(id, token, delay, reason)
+    WHERE j.id = d.id AND j.lease_token = d.token AND j.status = 'dispatched'
+    RETURNING j.id
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Defer:
+    """A held job that goes back to pending without starting."""
+
+    job_id: int
+    token: uuid.UUID
+    delay: float
+    reason: str | None = None  # kept as its last error (None: the last error is kept)
+
+
+def defer(rows: Sequence[Defer]) -> Query[set[int]]:
+    """Held jobs that could not start (no key or permit within a short wait, an unknown job
+    name, a worker shutting down) go back to pending after their delay, without counting an
+    attempt and without holding a worker (or end cancelled, when cancellation was requested).
+    ``deferred_since`` remembers when the first of a run of deferrals happened."""
+    params = {
+        "ids": [r.job_id for r in rows],
+        "tokens": [r.token for r in rows],
+        "delays": [float(r.delay) for r in rows],
+        "reasons": [r.reason for r in rows],
+    }
+    return Query(_DEFER, params, lambda found: {int(r.id) for r in found})
+
+
+_BUMP = """
+    INSERT INTO harvest_counters (name, value)
+    SELECT * FROM unnest(%(names)s::text[], %(values)s::bigint[])
+    ON CONFLICT (name) DO UPDATE SET value = harvest_counters.value + EXCLUDED.value
+"""
+
+
+def bump(counts: Mapping[str, int]) -> Query[None]:
+    """Add to several counters of ``harvest_counters`` at once."""
+    names = sorted(name for name, n in counts.items() if n)  # sorted: no lock-order deadlock
+    return Query(_BUMP, {"names": names, "values": [counts[n] for n in names]}, lambda rows: None)

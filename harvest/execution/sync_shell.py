@@ -1,0 +1,254 @@
+"""The blocking shell: drives :mod:`harvest.execution.core` for sync handlers, in whatever
+thread Celery runs the task (a prefork child, ``-P solo``, ``-P threads``, ``-P gevent``).
+
+No state is shared between threads except through locks: every statement checks a connection
+out of the process's pool and gives it back at once (so ``-P threads -c N`` needs a pool of
+about N, which the worker sizes), the heartbeat thread renews the leases of every job this
+process holds in one statement per round, and the watchdog ends attempts at their deadline
+where no signal can reach the handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Generator, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import httpx
+import psycopg
+from sqlalchemy.exc import DBAPIError
+
+from harvest.clients import ClientPool
+from harvest.context import JobContext
+from harvest.errors import JobTimeout
+from harvest.execution import core, limits, sql
+from harvest.execution import effects as fx
+from harvest.execution.heartbeat import HeartbeatThread
+from harvest.execution.observe import Received, notify
+from harvest.execution.tracking import Tracked
+from harvest.gate import Gate
+from harvest.usage import Tally
+
+if TYPE_CHECKING:
+    from harvest.app import Harvest
+
+log = logging.getLogger("harvest.runner")
+
+T = TypeVar("T")
+GRACE = 5.0  # seconds past a blocking job's time limit before this process counts as wedged
+
+
+def http_client(secret: str) -> httpx.Client:
+    return httpx.Client(headers={"Authorization": f"Bearer {secret}"}, timeout=30.0)
+
+
+class SyncShell:
+    def __init__(self, app: Harvest, plan: core.Plan) -> None:
+        self.app = app
+        self.plan = plan
+        self.gate = Gate(app)
+        self.clients: ClientPool[httpx.Client] = ClientPool(
+            http_client, healthy=lambda client: not client.is_closed
+        )
+        self.heartbeat = HeartbeatThread(self)
+        self.watchdog = limits.Watchdog()
+        self.usage = Tally()  # calls made with keys, written in windows by the executor
+        self._keys_lock = threading.Lock()
+        self._keys_freed: dict[str, threading.Condition] = {}  # a pool -> its waiters
+
+    def _key_freed(self, pool: str) -> threading.Condition:
+        with self._keys_lock:
+            return self._keys_freed.setdefault(pool, threading.Condition(self._keys_lock))
+
+    # --- a message ------------------------------------------------------------------------
+
+    def hold(self, pairs: Sequence[sql.Pair]) -> dict[int, sql.Held]:
+        """Take a message's jobs (extend their dispatch leases); duplicates are left out."""
+        held = self.db(sql.hold(pairs, ttl=self.plan.lease_ttl))
+        if len(held) < len(pairs):
+            self.db(sql.bump({core.DUPLICATES: len(pairs) - len(held)}))
+            log.info("suppressed %d duplicate or stale deliveries", len(pairs) - len(held))
+        return held
+
+    def run_held(self, jobs: Sequence[tuple[sql.Pair, sql.Held]]) -> Counter[str]:
+        """Run held jobs one after another in this thread (they were sized to fit)."""
+        tracked = [self.track(pair, h) for pair, h in jobs]
+        counts: Counter[str] = Counter()
+        try:
+            for one, (_, h) in zip(tracked, jobs, strict=True):
+                spec = self.app.jobs.get(h.name)
+                attempt = core.attempt(
+                    one, spec, self.plan, deferred_for=h.deferred_for, payload=h.payload
+                )
+                counts.update(self.drive(attempt))
+        finally:
+            for one in tracked:
+                self.heartbeat.untrack(one)
+        return counts
+
+    def track(self, pair: sql.Pair, held: sql.Held) -> Tracked:
+        tracked = Tracked(pair[0], pair[1], held.name, held.attempts + 1)
+        self.heartbeat.track(tracked)
+        notify(
+            self.app.observers, Received(pair[0], held.name, held.attempts + 1, self.plan.worker)
+        )
+        return tracked
+
+    # --- the driver -----------------------------------------------------------------------
+
+    def drive(self, gen: Generator[fx.Effect, Any, T]) -> T:
+        """Run ``gen`` to its end, performing each effect it yields."""
+        value: Any = None
+        error: BaseException | None = None
+        while True:
+            try:
+                effect = gen.throw(error) if error is not None else gen.send(value)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            try:
+                value, error = self.perform(effect), None
+            except BaseException as exc:
+                value, error = None, exc
+
+    def perform(self, e: fx.Effect) -> Any:
+        match e:
+            case fx.Clock():
+                return time.monotonic()
+            case fx.RatePermit(spec):
+                return self.gate.rate_permit(spec)
+            case fx.LeaseKey(pool, holder, cost):
+                return self.gate.try_lease(pool, holder, cost)
+            case fx.LoadPool(pool):
+                return self.gate.load_pool(pool)
+            case fx.AwaitKey(pool, seconds):
+                freed = self._key_freed(pool)
+                with freed:
+                    freed.wait(seconds)
+                return None
+            case fx.Defer(row):
+                return row.job_id in self.db(sql.defer([row]))
+            case fx.Start(job_id, token):
+                query = sql.start(
+                    [(job_id, token)], ttl=self.plan.lease_ttl, worker=self.plan.worker
+                )
+                return self.db(query).get(job_id)
+            case fx.Secret(lease):
+                return self.gate.secret(lease)
+            case fx.RunHandler():
+                return self.run_handler(e)
+            case fx.CoolKey(lease, seconds, exhausted):
+                return self.gate.rate_limited(lease, seconds, exhausted)
+            case fx.DisableKey(lease):
+                return self.gate.rejected(lease)
+            case fx.Finish(row):
+                return row.job_id in self.db(sql.finish([row]))
+            case fx.ReleaseKey(lease, used, succeeded, announced):
+                self.gate.release(lease, used, succeeded, announced)
+                freed = self._key_freed(lease.pool)
+                with freed:
+                    freed.notify()  # one key freed: one waiter tries it (not a stampede)
+                return None
+            case fx.CountUsage(call):
+                return self.usage.add(call)
+            case fx.Bump(name, n):
+                return self.db(sql.bump({name: n}))
+            case fx.Notify(event):
+                return notify(self.app.observers, event)
+        raise TypeError(f"unknown effect {e!r}")
+
+    def db(self, query: sql.Query[T]) -> T:
+        """One statement on a connection checked out for it (autocommit). A connection that
+        died under it (Postgres restarted, a backend terminated) is discarded and the
+        statement tried once more on a fresh one; each statement is fenced, so a retry of one
+        that did land changes nothing."""
+        for last in (False, True):
+            with self.app.engine.connect() as conn:
+                conn.execution_options(isolation_level="AUTOCOMMIT")
+                try:
+                    return sql.run(conn, query)
+                except (psycopg.OperationalError, DBAPIError) as exc:
+                    conn.invalidate()
+                    if last or not _disconnected(exc):
+                        raise
+        raise AssertionError("unreachable")
+
+    # --- running a handler ----------------------------------------------------------------
+
+    def run_handler(self, e: fx.RunHandler) -> fx.HandlerResult:
+        ctx = self.context(e)
+        timeout = e.job.timeout or e.spec.timeout
+        how = limits.mode()
+        if how != "watchdog":
+            e.tracked.deadline = time.monotonic() + timeout + GRACE
+        started = time.monotonic()
+
+        def took() -> float:
+            return time.monotonic() - started
+
+        try:
+            with limits.limit(timeout, how, self.watchdog, lambda: self._expire(e)):
+                value = e.spec.func(ctx, **e.job.payload)
+        except JobTimeout:
+            return fx.HandlerResult(seconds=took(), timed_out=True, ended_elsewhere=e.tracked.ended)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as exc:
+            return fx.HandlerResult(
+                error=exc, seconds=took(), cancelled=ctx.cancelled, ended_elsewhere=e.tracked.ended
+            )
+        finally:
+            e.tracked.deadline = float("inf")
+        return fx.HandlerResult(
+            value=value, seconds=took(), cancelled=ctx.cancelled, ended_elsewhere=e.tracked.ended
+        )
+
+    def context(self, e: fx.RunHandler) -> JobContext:
+        tracked = e.tracked
+        return JobContext(
+            job_id=e.job.id,
+            attempt=e.job.attempt,
+            max_attempts=e.job.max_attempts,
+            name=e.job.name,
+            key=e.secret,
+            lease=e.lease,
+            clients=self.clients,
+            _lease_check=(lambda: self.key_still_held(tracked)) if e.lease is not None else None,
+            _cancel=tracked.cancel,
+            _used=tracked.used,
+            _observe=tracked.observe,
+        )
+
+    def key_still_held(self, tracked: Tracked) -> bool:
+        """Before a call with the key: no I/O while the lease was renewed recently; else ask
+        Redis (a process paused past its lease fails here and does not call)."""
+        if tracked.key_fresh(time.monotonic()):
+            return True
+        lease = tracked.key_lease
+        if lease is None or tracked.lost or tracked.ended:
+            return False
+        sent_at = time.monotonic()
+        if self.gate.heartbeat_many([lease])[0]:
+            tracked.key_renewed(sent_at, self.plan.lease_ttl)
+            return True
+        log.warning("key lease on key %s of pool %r was lost", lease.key_id, lease.pool)
+        return False
+
+    def _expire(self, e: fx.RunHandler) -> None:
+        """In the watchdog thread, at a threaded handler's deadline."""
+        if self.drive(core.expire(e.tracked, e.job, e.spec, self.plan)):
+            log.warning(
+                "job %s attempt %s ran past its time limit of %gs: ended as timed out; the "
+                "thread runs on (Python cannot stop it) and its result will be dropped",
+                e.job.id,
+                e.job.attempt,
+                e.job.timeout or e.spec.timeout,
+            )
+
+
+def _disconnected(exc: BaseException) -> bool:
+    if isinstance(exc, DBAPIError):
+        return bool(exc.connection_invalidated) or isinstance(exc.orig, psycopg.OperationalError)
+    return isinstance(exc, psycopg.OperationalError)

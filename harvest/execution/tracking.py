@@ -1,0 +1,147 @@
+"""What a worker process knows about each job it holds, and what a heartbeat round decides.
+
+One :class:`Tracked` per held job, shared by the attempt (which sets its key lease and marks
+it finishing) and the heartbeat (which renews its leases and marks it lost or cancelled). The
+decisions of a heartbeat round are pure functions here; the blocking heartbeat thread and the
+asyncio heartbeat task only do the I/O around them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from harvest.service_limits import Announced, announced
+
+log = logging.getLogger("harvest.heartbeat")
+
+KEY_MARGIN = 0.2  # of the TTL: a key lease renewed at t is trusted until t + ttl * (1 - this)
+
+
+@dataclass(slots=True, eq=False)
+class Tracked:
+    job_id: int
+    token: uuid.UUID
+    name: str = ""
+    attempt: int = 0  # the attempt it is (or will be, once started)
+    deadline: float = math.inf  # monotonic; a blocking handler past it means a wedged process
+    cancel: threading.Event = field(default_factory=threading.Event)
+    lost: bool = False  # its lease was taken back: its outcome will be dropped
+    finishing: bool = False  # its ending is being written: a heartbeat that misses it is no news
+    ended: bool = False  # ended at its deadline while its handler ran on (a thread cannot be
+    # killed): whatever the handler returns later is dropped
+    key_lease: Any = None  # the API key lease held for it (harvest.coordination.Lease)
+    key_fresh_until: float = 0.0  # monotonic: its key lease is surely live until then
+    handler: Any = None  # the asyncio task of an async handler, while it runs
+    handing_back: str | None = None  # why the worker stops it (shutdown)
+    ran: bool = False  # its handler was started (a call with the key may have been made)
+    tokens_used: int | None = None  # what the handler reported with ctx.used(tokens=...)
+    announced: Announced | None = None  # the service's last rate-limit headers (ctx.observe)
+
+    def used(self, tokens: int) -> None:
+        """The handler reports tokens its calls used (added up over the attempt)."""
+        self.tokens_used = (self.tokens_used or 0) + tokens
+
+    def observe(self, headers: Mapping[str, Any]) -> None:
+        """The handler shows the service's answer: keep what its rate-limit headers say."""
+        said = announced(headers)
+        if said is not None:
+            self.announced = said
+
+    def settled_tokens(self) -> int | None:
+        """What a key release settles the reservation with: nothing used when the handler
+        never ran; what it reported; None (the reservation stands) when it reported nothing."""
+        return self.tokens_used if self.ran else 0
+
+    def key_renewed(self, sent_at: float, ttl: float) -> None:
+        """A key lease request sent at ``sent_at`` (monotonic) succeeded for ``ttl`` seconds:
+        the lease lives at least until the Redis clock has moved that far, which on this
+        machine's clock is no earlier than ``sent_at + ttl`` (less a margin for drift)."""
+        self.key_fresh_until = sent_at + ttl * (1 - KEY_MARGIN)
+
+    def key_fresh(self, now: float) -> bool:
+        """True when the key lease is surely still held, with no I/O: renewed recently, and
+        this attempt neither lost nor ended. A paused process fails this on resume."""
+        return not (self.lost or self.ended) and now < self.key_fresh_until
+
+
+@dataclass(frozen=True, slots=True)
+class Renewal:
+    """What one heartbeat round renews."""
+
+    jobs: list[Tracked]  # job leases to extend (one statement)
+    keys: list[Tracked]  # of those, the ones holding a key lease (one round trip)
+    wedged: list[Tracked]  # handlers past their deadline where nothing could stop them
+
+
+def renewal(tracked: Iterable[Tracked], now: float) -> Renewal:
+    """The leases a round renews: every job held or running, except those lost, ending or
+    ended. ``wedged``: a blocking handler ran past its deadline (plus grace) where no signal
+    reached it; the caller then renews nothing, so rescue takes the process's jobs back."""
+    every = list(tracked)
+    jobs = [t for t in every if not (t.lost or t.finishing or t.ended)]
+    wedged = [t for t in every if t.deadline <= now and not (t.finishing or t.ended)]
+    return Renewal(jobs, [t for t in jobs if t.key_lease is not None], wedged)
+
+
+def settle(
+    jobs: Iterable[Tracked], held: Mapping[int, bool]
+) -> tuple[list[Tracked], list[Tracked]]:
+    """Apply a renewal statement's result (``{job id: cancel requested}`` of the leases still
+    held): jobs missing from it are lost, unless they began to finish meanwhile (their own
+    fenced write cleared the lease: no news); jobs whose cancellation was requested get
+    ``cancel`` set. Returns (newly lost, newly cancelled).
+
+    Nothing is logged here: a renewal can miss a row that this process itself ended in the
+    meantime (a finish, a deferral, a cancellation seen at start), so "lost" is only known for
+    sure where the outcome is dropped (:func:`report_lost`, called by the attempt)."""
+    lost: list[Tracked] = []
+    cancelled: list[Tracked] = []
+    for job in jobs:
+        if job.finishing or job.ended or job.lost:
+            continue
+        if job.job_id not in held:
+            job.lost = True
+            lost.append(job)
+        elif held[job.job_id] and not job.cancel.is_set():
+            job.cancel.set()
+            cancelled.append(job)
+    return lost, cancelled
+
+
+def keys_renewed(
+    keyed: Iterable[tuple[Tracked, Any]], renewed: Iterable[bool], sent_at: float, ttl: float
+) -> None:
+    """Apply a key renewal round's result (``keyed``: each job with the lease it held when the
+    round was planned). A renewed lease is fresh again; one that was not is lost only if the
+    job still holds it: a job whose handler ended meanwhile gave its key back (the release
+    deleted the lease), which is no news and no warning."""
+    for (job, lease), ok in zip(keyed, renewed, strict=True):
+        if ok:
+            job.key_renewed(sent_at, ttl)
+        elif job.key_lease is lease:
+            log.warning("key lease on key %s of pool %r was lost", lease.key_id, lease.pool)
+
+
+def report_lost(job: Tracked, *, waiting: bool = False) -> None:
+    """Log once, where it happens, that an attempt's outcome is dropped: its lease was taken
+    back (rescued after a pause or cut-off) and its fenced write matched nothing or was not
+    tried."""
+    if waiting:
+        log.warning(
+            "job %s: lease lost while it waited its turn (taken back after a pause or cut-off); "
+            "it was not started here",
+            job.job_id,
+        )
+        return
+    log.warning(
+        "job %s attempt %s: lease lost while running (taken back after a pause or cut-off); "
+        "its outcome was dropped",
+        job.job_id,
+        job.attempt,
+    )

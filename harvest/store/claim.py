@@ -1,0 +1,287 @@
+"""The dispatch side: the SKIP LOCKED claim of due jobs (run hundreds of times a second,
+prepared on the driver connection), jobs in flight, and recent run times."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from psycopg.rows import namedtuple_row
+from sqlalchemy import Connection, TextClause, text
+
+from harvest.jobs import Claimed
+from harvest.store.quarantine import READABLE_FROM
+
+# --- dispatch -------------------------------------------------------------------------------
+
+_INFLIGHT = text("SELECT count(*) FROM harvest_jobs WHERE status IN ('dispatched', 'running')")
+
+
+def inflight(conn: Connection) -> int:
+    return int(conn.execute(_INFLIGHT).scalar_one())
+
+
+_WAITING_FOR_KEYS = text(
+    """
+    SELECT pool, count(*) AS n FROM harvest_jobs
+    WHERE status = 'dispatched' AND pool = ANY(:pools)
+    GROUP BY pool
+    """
+)
+
+
+def dispatched_by_pool(conn: Connection, pools: Sequence[str]) -> dict[str, int]:
+    """Jobs of each pool dispatched but not started yet: they will each need a key."""
+    rows = conn.execute(_WAITING_FOR_KEYS, {"pools": list(pools)})
+    return {r.pool: int(r.n) for r in rows}
+
+
+_CLAIM_UPDATE = """
+    UPDATE harvest_jobs AS j
+    SET status = 'dispatched', lease_token = gen_random_uuid(), dispatched_at = now(),
+        lease_expires_at = now() + make_interval(secs => :ttl)
+    FROM chosen WHERE j.id = chosen.id
+    RETURNING j.id, j.lease_token, j.queue, j.name, j.priority, j.pool, chosen.aged, chosen.turn,
+              CAST(extract(epoch FROM j.run_at) AS float8) AS run_at
+    """
+
+
+# A paused queue's jobs are not claimed (migration 0009): the paused set is read once per
+# statement (an InitPlan), in the claim's own snapshot, so one statement still decides it all.
+# Written as array containment, not ``queue <> ALL(...)``: with every pending job in one queue
+# (one distinct value) the planner read ``<> ALL`` of an unknown array as matching no row, and
+# on an analyzed table sorted the whole backlog instead of walking the claim index.
+_NOT_PAUSED = "NOT (ARRAY[queue] <@ ARRAY(SELECT queue FROM harvest_queue_pauses))"
+
+_CLAIM_AGED = f"""
+    aged AS (
+        SELECT id, pool, priority, run_at, true AS aged, CAST(0 AS float8) AS turn
+        FROM harvest_jobs
+        WHERE status = 'pending' AND run_at <= now() - make_interval(secs => :starve)
+          AND run_at >= {READABLE_FROM} AND {_NOT_PAUSED}
+        ORDER BY run_at, id
+        LIMIT :share
+        FOR UPDATE SKIP LOCKED
+    )"""
+
+# The tenants with pending jobs, by a loose index scan of ``harvest_jobs_tenant_claim_idx``
+# (one index descent per tenant, however deep its backlog; NULL is the tenant ''), each with
+# its weight and how many of its best due rows to lock: its weighted part of ``:spread``,
+# at most ``:deep``.
+_TENANT = "COALESCE(tenant, '')"
+_CLAIM_TENANTS = f"""
+    tenants AS (
+        (SELECT {_TENANT} AS k FROM harvest_jobs WHERE status = 'pending' ORDER BY 1 LIMIT 1)
+        UNION ALL
+        SELECT (SELECT {_TENANT} FROM harvest_jobs
+                WHERE status = 'pending' AND {_TENANT} > t.k ORDER BY 1 LIMIT 1)
+        FROM tenants AS t WHERE t.k IS NOT NULL
+    ), weighted AS (
+        SELECT t.k, COALESCE(w.weight, 1) AS weight FROM tenants AS t
+        LEFT JOIN unnest(CAST(:tenants AS text[]), CAST(:weights AS int[])) AS w(k, weight)
+               ON w.k = t.k
+        WHERE t.k IS NOT NULL
+    ), shares AS (
+        SELECT k, weight,
+               CAST(LEAST(:deep, ceil(:spread * weight / sum(weight) OVER ())) AS int) AS take
+        FROM weighted
+    )"""
+
+# Each tenant's best due rows (priority, then run_at), locked; ``turn`` is the round of the
+# weighted round-robin a row falls in: a tenant of weight w has w rows in each round.
+_CLAIM_FRESH = f"""
+    fresh AS (
+        SELECT f.*, s.k AS tenant_key,
+               CAST(row_number() OVER (PARTITION BY s.k ORDER BY f.priority DESC, f.run_at, f.id)
+                    - 1 AS float8) / s.weight AS turn
+        FROM shares AS s CROSS JOIN LATERAL (
+            SELECT id, pool, priority, run_at, false AS aged FROM harvest_jobs
+            WHERE {_TENANT} = s.k AND status = 'pending' AND run_at <= now()
+              AND run_at >= {READABLE_FROM} AND {_NOT_PAUSED}
+              AND id <> ALL(ARRAY(SELECT id FROM aged))
+            ORDER BY priority DESC, run_at, id
+            LIMIT s.take
+            FOR UPDATE SKIP LOCKED
+        ) AS f
+    )"""
+
+_FAIR = "turn, priority DESC, run_at, id"
+
+
+def _plain_claim() -> str:
+    """The claim without budgets: the aged share, then up to ``:limit`` rows in turn order."""
+    return f"""
+            WITH RECURSIVE {_CLAIM_AGED}, {_CLAIM_TENANTS}, {_CLAIM_FRESH},
+            chosen AS (
+                SELECT id, aged, turn FROM aged
+                UNION ALL
+                (SELECT id, aged, turn FROM fresh ORDER BY {_FAIR}
+                 LIMIT :limit - (SELECT count(*) FROM aged))
+            ) {_CLAIM_UPDATE}"""
+
+
+def _budgeted_claim() -> str:
+    """The claim with ``budget`` rows at most of each named pool, shared by the tenants in
+    turn order."""
+    order = f"aged DESC, {_FAIR}"
+    return f"""
+        WITH RECURSIVE {_CLAIM_AGED}, {_CLAIM_TENANTS}, {_CLAIM_FRESH},
+        cand AS (
+            SELECT id, pool, priority, run_at, aged, turn FROM aged
+            UNION ALL SELECT id, pool, priority, run_at, aged, turn FROM fresh
+        ), ranked AS (
+            SELECT c.id, c.aged, c.turn, c.priority, c.run_at, b.budget,
+                   row_number() OVER (PARTITION BY c.pool ORDER BY {order}) AS rn
+            FROM cand AS c
+            LEFT JOIN unnest(CAST(:pools AS text[]), CAST(:budgets AS int[])) AS b(pool, budget)
+                   ON b.pool = c.pool
+        ), chosen AS (
+            SELECT id, aged, turn FROM ranked WHERE budget IS NULL OR rn <= budget
+            ORDER BY {order}
+            LIMIT :limit
+        ) {_CLAIM_UPDATE}"""
+
+
+def _claim_statement(*, budgeted: bool) -> TextClause:
+    """The claim, in one statement (one round trip, atomic on its own): due pending rows,
+    locked with SKIP LOCKED, marked dispatched with a fresh lease token.
+
+    Two scans feed it. ``aged``: up to ``:share`` rows due for longer than ``:starve`` seconds,
+    oldest first, of any tenant (the aging share; index ``harvest_jobs_age_idx``; with
+    ``:share`` 0 it reads nothing). ``fresh``: per tenant with pending jobs (found by a loose
+    index scan), its best due rows by priority (``harvest_jobs_tenant_claim_idx``), at most
+    ``:deep`` and about its weighted part of ``:spread``; the claim then takes them round-robin
+    (``turn``: a tenant's n-th row over its weight), priority first within a turn. With one
+    tenant (every job without one) that is the priority order of before. Each scan's LIMIT is
+    bounded by a plain parameter, so the planner walks the index and stops; ``fresh`` may lock
+    rows it does not take (at most ``:spread`` plus one per tenant), until the statement commits.
+    ``budgeted``: at most ``budget`` rows of each named key pool, in the same turn order.
+    Neither scan takes a job of a paused queue (``harvest_queue_pauses``).
+
+    A row whose ``run_at`` Python cannot hold (written around the door) is never claimed, and
+    ``run_at`` comes back as epoch seconds: no value of a claimed row can fail to be read after
+    the claim committed (:func:`quarantine_pending` fails such rows)."""
+    return text(_budgeted_claim() if budgeted else _plain_claim())
+
+
+_CLAIMS = {budgeted: _claim_statement(budgeted=budgeted) for budgeted in (False, True)}
+
+
+def _psycopg_sql(clause: TextClause) -> str:
+    """A text() statement in psycopg's own parameter style (``:name`` -> ``%(name)s``)."""
+    return re.sub(r"(?<![:\w]):(\w+)", r"%(\1)s", clause.text.replace("%", "%%"))
+
+
+_CLAIMS_SQL = {budgeted: _psycopg_sql(clause) for budgeted, clause in _CLAIMS.items()}
+
+
+def _fetch_raw(conn: Connection, sql: str, params: Mapping[str, Any]) -> list[Any]:
+    """Run a hot statement (psycopg's parameter style) on the driver connection under
+    ``conn`` (the same connection and transaction), prepared server-side: the claim runs
+    hundreds of times a second, and SQLAlchemy's per-statement work was a third of its cost
+    at small batches. Not prepared on a connection that prepares nothing (``prepare_threshold``
+    None: behind a transaction-mode pooler, see :func:`harvest.db.connect_options`)."""
+    if not conn.in_transaction():
+        conn.begin()  # what conn.execute would do (autobegin), so the caller's commit counts
+    raw = conn.connection.driver_connection
+    assert raw is not None
+    with raw.cursor(row_factory=namedtuple_row) as cur:
+        cur.execute(sql, params, prepare=raw.prepare_threshold is not None)
+        return list(cur.fetchall())
+
+
+def aging_share(limit: int) -> int:
+    """How many rows of a claim of ``limit`` go to jobs waiting past the starvation threshold:
+    10 %, at least one."""
+    return min(limit, max(1, limit // 10)) if limit > 0 else 0
+
+
+def claim_due(
+    conn: Connection,
+    *,
+    limit: int,
+    ttl: float,
+    budgets: Mapping[str, int] | None = None,
+    starvation_after: float | None = None,
+    weights: Mapping[str, int] | None = None,
+) -> list[Claimed]:
+    """Claim up to ``limit`` due pending jobs in one statement, shared fairly by the tenants
+    with due jobs: round-robin, a tenant's jobs by priority, then oldest run_at.
+
+    ``FOR UPDATE SKIP LOCKED`` makes concurrent claimers take disjoint rows; each claimed row
+    gets a fresh lease token and an expiry after which rescue takes it back. With ``budgets``
+    ({pool: n}), no more than n jobs of each named pool are claimed (the keys it can serve
+    now), shared by the tenants in the same turns; it looks about 4 x ``limit`` due rows deep.
+
+    ``weights`` ({tenant: w}, w >= 1, default 1): a tenant of weight w gets w jobs in each
+    round of the round-robin. Jobs without a tenant are one tenant of their own (weight 1).
+
+    With ``starvation_after`` (seconds), jobs due for longer than that first take up to
+    :func:`aging_share` of the claim, oldest first, whatever their priority or tenant: a
+    low-priority job under a flood of higher-priority ones is still claimed eventually.
+    Returned in claim order (the aged share first, then by turn).
+
+    Jobs of a paused queue (:func:`harvest.queues.pause`) are never claimed.
+    """
+    if limit <= 0:
+        return []
+    rows = _fetch_raw(
+        conn,
+        _CLAIMS_SQL[bool(budgets)],
+        _claim_params(limit, ttl, budgets, starvation_after, weights),
+    )
+    aged = sorted((r for r in rows if r.aged), key=lambda r: (r.run_at, r.id))
+    fresh = sorted(
+        (r for r in rows if not r.aged), key=lambda r: (r.turn, -r.priority, r.run_at, r.id)
+    )
+    return [Claimed(id=r.id, token=r.lease_token, queue=r.queue, name=r.name) for r in aged + fresh]
+
+
+def _claim_params(
+    limit: int,
+    ttl: float,
+    budgets: Mapping[str, int] | None,
+    starvation_after: float | None,
+    weights: Mapping[str, int] | None,
+) -> dict[str, Any]:
+    """The claim's parameters. A tenant locks at most ``:deep`` rows (``limit``, or 4 x with
+    budgets) and about its weighted part of ``:spread`` (2 x ``limit``, or 4 x with budgets):
+    with one tenant, ``limit`` rows, as before tenants; with many, a few rows each."""
+    starve = starvation_after if starvation_after is not None and starvation_after > 0 else 0.0
+    weights = weights or {}
+    deep = limit * 4 if budgets else limit
+    return {
+        "limit": limit,
+        "ttl": ttl,
+        "starve": starve,
+        "share": aging_share(limit) if starve else 0,
+        "deep": deep,
+        "spread": float(limit * 4 if budgets else limit * 2),
+        "tenants": list(weights),
+        "weights": [max(1, int(w)) for w in weights.values()],
+        "pools": list(budgets or {}),
+        "budgets": [max(0, n) for n in (budgets or {}).values()],
+    }
+
+
+_RECENT_RUN_SECONDS = text(
+    """
+    SELECT name,
+           percentile_cont(0.5) WITHIN GROUP (
+               ORDER BY extract(epoch FROM finished_at - started_at)) AS seconds
+    FROM (SELECT name, started_at, finished_at FROM harvest_jobs
+          WHERE status IN ('succeeded', 'failed', 'cancelled')
+          ORDER BY finished_at DESC
+          LIMIT :sample) AS recent
+    WHERE started_at IS NOT NULL
+    GROUP BY name
+    """
+)
+
+
+def recent_run_seconds(conn: Connection, *, sample: int = 500) -> dict[str, float]:
+    """Median run time (start to finish, database clock) of each job name among the last
+    ``sample`` jobs to finish (index ``harvest_jobs_finished_idx``, read backwards)."""
+    rows = conn.execute(_RECENT_RUN_SECONDS, {"sample": sample})
+    return {r.name: float(r.seconds) for r in rows}

@@ -1,0 +1,161 @@
+"""Every job attempt as a Celery task in the event stream, so Flower, ``celery events`` and
+anything else that reads Celery's events shows harvest's jobs as a Celery user expects.
+
+One attempt is one task: its id is stable (derived from the job id and the attempt), its name
+is the job's name, its args are the payload (redacted and truncated, as Celery's ``argsrepr``).
+When the attempt starts the worker sends ``task-received`` and ``task-started``; when it ends,
+``task-succeeded`` (with the result and run time), ``task-retried`` (a retry is scheduled: the
+next attempt is another task), ``task-failed`` (the job is dead, with its exception) or
+``task-revoked`` (cancelled). A held job that goes back to pending without starting (no key in
+time) sends nothing: no attempt was made.
+
+Events are best effort, as Celery's own are: sent from one thread per process over its own
+broker connection, dropped (and counted in the log) when the broker is away or the backlog is
+over :data:`BACKLOG`; a job never waits for them.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+import uuid
+from typing import Any
+
+from celery import Celery
+
+from harvest.execution.observe import AttemptEnded, AttemptObserver, AttemptStarted
+from harvest.models import JobStatus
+from harvest.redact import redact_text
+
+log = logging.getLogger(__name__)
+
+BACKLOG = 10_000  # events waiting to be sent; beyond it new ones are dropped
+BATCH = 100  # events one message carries at most
+FLUSH_EVERY = 0.25  # seconds an event may wait for others to share its message
+ARGS_CHARS = 1024  # Celery's argsrepr is cut at the same length
+RESULT_CHARS = 1024
+NAMESPACE = uuid.UUID("6a1d3f0e-4b7e-4c1a-9a55-8f3d6c2b7e10")
+
+
+def attempt_task_id(job_id: int, attempt: int) -> str:
+    """The task id of one attempt of a job: the same in every event and on every worker."""
+    return str(uuid.uuid5(NAMESPACE, f"{job_id}:{attempt}"))
+
+
+def _cut(text: str, limit: int) -> str:
+    text = redact_text(text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def started_events(event: AttemptStarted) -> list[tuple[str, dict[str, Any]]]:
+    job = event.job
+    task_id = attempt_task_id(job.id, job.attempt)
+    received = {
+        "uuid": task_id,
+        "name": job.name,
+        "args": _cut(repr(job.payload), ARGS_CHARS),
+        "kwargs": "{}",
+        "retries": job.attempt - 1,
+        "eta": None,
+        "expires": None,
+        "root_id": task_id,
+        "parent_id": None,
+        "job_id": job.id,
+    }
+    return [("task-received", received), ("task-started", {"uuid": task_id})]
+
+
+def ended_events(event: AttemptEnded) -> list[tuple[str, dict[str, Any]]]:
+    """What Celery would send as the task ends. A refused fenced write (another attempt owns
+    the job now) sends nothing: this attempt's outcome did not count."""
+    if not event.recorded:
+        return []
+    job, outcome = event.job, event.outcome
+    task_id = attempt_task_id(job.id, job.attempt)
+    error = f"{outcome.error_type or 'Error'}({outcome.error or ''!r})"
+    if outcome.status is JobStatus.SUCCEEDED:
+        result = _cut(outcome.result_json or "null", RESULT_CHARS)
+        return [("task-succeeded", {"uuid": task_id, "result": result, "runtime": event.seconds})]
+    if outcome.status is JobStatus.CANCELLED:
+        return [("task-revoked", {"uuid": task_id, "terminated": True, "signum": None})]
+    fields = {"uuid": task_id, "exception": _cut(error, RESULT_CHARS)}
+    fields["traceback"] = _cut(outcome.traceback or "", 10 * RESULT_CHARS)
+    if outcome.retrying:
+        return [("task-retried", fields)]
+    return [("task-failed", fields)]
+
+
+class TaskEvents(AttemptObserver):
+    """Sends each attempt's task events (an attempt observer; see
+    :mod:`harvest.execution.observe`) under the worker's node name (``execution@host``)."""
+
+    def __init__(self, celery: Celery, hostname: str) -> None:
+        self.celery, self.hostname = celery, hostname
+        self._queue: queue.SimpleQueue[tuple[str, dict[str, Any]]] = queue.SimpleQueue()
+        self._pid = 0
+        self._dropped = 0
+        self._lock = threading.Lock()
+
+    def started(self, event: AttemptStarted) -> None:
+        self._put(started_events(event))
+
+    def ended(self, event: AttemptEnded) -> None:
+        self._put(ended_events(event))
+
+    def _put(self, events: list[tuple[str, dict[str, Any]]]) -> None:
+        if self._pid != os.getpid():  # first use in this process (the thread starts after fork)
+            with self._lock:
+                if self._pid != os.getpid():
+                    self._queue = queue.SimpleQueue()
+                    threading.Thread(
+                        target=self._send_forever, name="harvest-events", daemon=True
+                    ).start()
+                    self._pid = os.getpid()
+        if self._queue.qsize() + len(events) > BACKLOG:
+            self._dropped += len(events)
+            return
+        for item in events:
+            self._queue.put(item)
+
+    def _send_forever(self) -> None:
+        pause = 0.5
+        while True:
+            try:
+                with self.celery.connection_for_write() as conn:
+                    dispatcher = self.celery.events.Dispatcher(
+                        conn,
+                        hostname=self.hostname,
+                        enabled=True,
+                        buffer_while_offline=False,
+                        buffer_group={"task"},  # many events a message (Celery reads lists)
+                        buffer_limit=BATCH,
+                    )
+                    pause = 0.5
+                    self._send_batches(dispatcher)
+            except Exception as exc:
+                log.warning("task events not sent (%s); again in %.1fs", type(exc).__name__, pause)
+                time.sleep(pause)
+                pause = min(pause * 2, 30.0)
+
+    def _send_batches(self, dispatcher: Any) -> None:
+        """Send events as they come, in messages of up to :data:`BATCH`, none waiting longer
+        than :data:`FLUSH_EVERY` seconds: at hundreds of jobs a second, one publish carries
+        many events instead of one each."""
+        flushed = time.monotonic()
+        while True:
+            try:
+                kind, fields = self._queue.get(timeout=FLUSH_EVERY)
+            except queue.Empty:
+                dispatcher.flush()
+                flushed = time.monotonic()
+                continue
+            dispatcher.send(kind, **fields)
+            if time.monotonic() - flushed >= FLUSH_EVERY:
+                dispatcher.flush()
+                flushed = time.monotonic()
+            if self._dropped:
+                log.warning("%d task events dropped (backlog full)", self._dropped)
+                self._dropped = 0

@@ -1,0 +1,142 @@
+"""Async handlers and threaded sync handlers, run in-process by the Runner (no Celery) against
+the real Postgres and Redis: many at once on one event loop, held to their time limits,
+cancellable while they run, fenced like any job, and unknown names deferred without an attempt."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import pytest
+from sqlalchemy import Engine, text
+
+from harvest import store
+from harvest.app import Harvest
+from harvest.context import JobContext
+from harvest.models import JobStatus
+from harvest.runner import Runner
+from tests.helpers import body, claim_all, effect_count
+
+
+@pytest.fixture
+def app(jobs_app: Callable[..., Harvest]) -> Harvest:
+    # A short lease, so heartbeats (a third of it) come every half second.
+    return jobs_app({"lease_ttl": 1.5, "unknown_job_grace": 60.0})
+
+
+def job_row(engine: Engine, job_id: int) -> store.Job:
+    with engine.connect() as conn:
+        found = store.get(conn, job_id)
+    assert found is not None
+    return found
+
+
+def test_async_jobs_of_one_message_run_at_once_each_once(
+    app: Harvest, runner: Runner, effects: Engine
+) -> None:
+    ids = app.enqueue_many("async_effect", [{"seconds": 0.5}] * 60)
+    started = time.monotonic()
+    counts = runner.execute(body(claim_all(effects)))
+    took = time.monotonic() - started
+    assert counts == {"started": 60, "suppressed": 0, "lost": 0, "deferred": 0}
+    assert took < 10  # one after another would take 30 s
+    assert all(effect_count(effects, i) == 1 for i in ids)
+    assert {job_row(effects, i).status for i in ids} == {JobStatus.SUCCEEDED}
+
+
+def test_the_same_async_message_twice_runs_each_job_once(
+    app: Harvest, runner: Runner, effects: Engine
+) -> None:
+    ids = app.enqueue_many("async_effect", [{}] * 3)
+    message = body(claim_all(effects))
+    assert runner.execute(message)["started"] == 3
+    assert runner.execute(message) == {"started": 0, "suppressed": 3, "lost": 0, "deferred": 0}
+    assert all(effect_count(effects, i) == 1 for i in ids)
+
+
+def test_an_async_job_past_its_time_limit_is_stopped_and_retried(
+    app: Harvest, runner: Runner, effects: Engine
+) -> None:
+    ref = app.enqueue("async_timed_out", {})
+    started = time.monotonic()
+    runner.execute(body(claim_all(effects)))
+    assert time.monotonic() - started < 5  # stopped at 0.5 s, not after its 30 s sleep
+    job = job_row(effects, ref.id)
+    assert job.status is JobStatus.PENDING and job.attempts == 1
+    assert job.last_error is not None and job.last_error.startswith("JobTimeout")
+    assert job.started_at is not None and job.run_at > job.started_at  # retried after a backoff
+
+
+def test_cancelling_a_running_async_job_stops_it_within_a_heartbeat(
+    app: Harvest, runner: Runner, effects: Engine
+) -> None:
+    ref = app.enqueue("async_cancellable", {"seconds": 60})
+    message = body(claim_all(effects))
+    worker = threading.Thread(target=runner.execute, args=(message,))
+    worker.start()
+    deadline = time.monotonic() + 10
+    while effect_count(effects, ref.id) == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    asked = time.monotonic()
+    app.cancel(ref.id)
+    worker.join(10)
+    assert not worker.is_alive()
+    assert time.monotonic() - asked < 3  # heartbeats every 0.5 s
+    job = job_row(effects, ref.id)
+    assert job.status is JobStatus.CANCELLED and job.result is None
+
+
+def test_a_sync_job_on_a_thread_ends_timed_out_at_its_deadline_and_its_late_result_is_dropped(
+    app: Harvest, runner: Runner, effects: Engine
+) -> None:
+    release = threading.Event()
+
+    @app.job("stuck_thread", timeout=0.5, max_attempts=1)
+    def stuck_thread(ctx: JobContext) -> dict[str, str]:
+        release.wait(20)
+        return {"late": "result"}
+
+    ref = app.enqueue("stuck_thread", {})
+    message = body(claim_all(effects))
+    worker = threading.Thread(target=runner.execute, args=(message,))  # not the main thread
+    worker.start()
+    deadline = time.monotonic() + 10
+    while job_row(effects, ref.id).status is not JobStatus.FAILED and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job = job_row(effects, ref.id)
+    assert job.status is JobStatus.FAILED and job.last_error is not None
+    assert job.last_error.startswith("JobTimeout")
+    assert job.started_at is not None and job.finished_at is not None
+    assert (job.finished_at - job.started_at).total_seconds() < 1.5  # at its deadline
+    assert worker.is_alive()  # Python cannot stop the thread: it runs on
+    release.set()
+    worker.join(10)
+    after = job_row(effects, ref.id)
+    assert after.status is JobStatus.FAILED and after.result is None  # the late result dropped
+
+
+def test_an_unknown_job_is_deferred_without_an_attempt_then_failed(
+    app: Harvest, runner: Runner, effects: Engine
+) -> None:
+    ref = app.enqueue("echo", {"value": 1})
+    with effects.begin() as conn:  # a job only a newer worker knows
+        conn.execute(
+            text("UPDATE harvest_jobs SET name = 'from_the_future' WHERE id = :id"), {"id": ref.id}
+        )
+    assert runner.execute(body(claim_all(effects)))["deferred"] == 1
+    job = job_row(effects, ref.id)
+    assert job.status is JobStatus.PENDING and job.attempts == 0
+    assert job.last_error is not None and "unknown job 'from_the_future'" in job.last_error
+    with effects.begin() as conn:  # its grace is over
+        conn.execute(
+            text(
+                "UPDATE harvest_jobs SET run_at = now(), deferred_since = now() - interval '2 min'"
+                " WHERE id = :id"
+            ),
+            {"id": ref.id},
+        )
+    assert runner.execute(body(claim_all(effects)))["started"] == 1
+    job = job_row(effects, ref.id)
+    assert job.status is JobStatus.FAILED and job.attempts == 1
+    assert job.last_error is not None and job.last_error.startswith("UnknownJob")

@@ -1,0 +1,134 @@
+"""Fallback pools against the real Postgres and Redis, run in-process by the worker's Runner
+(sync and async handlers): the second pool serves while the first pool's keys are all disabled
+or cooling, with no attempt used; the first serves again once it is back; dispatch counts the
+pools together."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import redis
+from cryptography.fernet import Fernet
+from pydantic import SecretStr
+from sqlalchemy import Engine
+
+from harvest import dispatcher, keystore, store
+from harvest.app import Harvest
+from harvest.coordination.key_pool import KeyPool
+from harvest.models import JobStatus
+from harvest.runner import Runner
+from harvest.settings import Settings
+from tests.helpers import RecordingBroker, body, claim_all
+
+FIRST, SECOND = "fb-first", "fb-second"
+KEYS = {FIRST: ("a1", "a2"), SECOND: ("b1",)}
+
+
+@pytest.fixture
+def app(migrated: Settings, clean_db: Engine, redis_client: redis.Redis) -> Iterator[Harvest]:
+    settings = migrated.model_copy(
+        update={"secret_key": SecretStr(Fernet.generate_key().decode()), "key_wait": 1.0}
+    )
+    harvest = Harvest(settings, broker=RecordingBroker(settings), redis_client=redis_client)
+    harvest.load_imports(["tests.jobs_fallback"])
+    cipher = keystore.Cipher.from_settings(settings)
+    with harvest.sessions.begin() as session:
+        for pool, names in KEYS.items():
+            for name in names:
+                secret = f"sk-{pool}-{name}-0123456789"
+                keystore.add_key(
+                    session, cipher, pool=pool, name=name, secret=secret, max_concurrency=2
+                )
+    for pool in KEYS:
+        keystore.sync_pool(harvest.engine, redis_client, pool)
+    yield harvest
+    harvest.close()
+
+
+def _set_status(app: Harvest, status: str) -> None:
+    """Every key of the first pool to ``status``, as ``harvest keys disable/enable`` does."""
+    with app.engine.begin() as conn:
+        for name in KEYS[FIRST]:
+            keystore.set_status(conn, (FIRST, name), status)  # type: ignore[arg-type]
+    keystore.sync_pool(app.engine, app.redis, FIRST)
+
+
+def _key_ids(app: Harvest) -> list[int]:
+    with app.engine.connect() as conn:
+        return [k.id for k in keystore.list_keys(conn, FIRST)]
+
+
+def disable(app: Harvest) -> Callable[[], None]:
+    _set_status(app, "disabled")
+    return lambda: _set_status(app, "active")
+
+
+def cool(app: Harvest) -> Callable[[], None]:
+    """Every key of the first pool cooling for a minute (a 429 each)."""
+    pool = KeyPool(app.redis, FIRST)
+    for key_id in _key_ids(app):
+        assert pool.cooldown(key_id, 60.0) is not None
+
+    def back() -> None:
+        for key_id in _key_ids(app):
+            pool.end_cooldown(key_id)
+
+    return back
+
+
+def run(app: Harvest, runner: Runner, name: str, n: int) -> list[store.Job]:
+    ids = app.enqueue_many(name, [{}] * n)
+    counts = runner.execute(body(claim_all(app.engine)))
+    assert counts["started"] == n, counts
+    with app.engine.connect() as conn:
+        return [job for i in ids if (job := store.get(conn, i)) is not None]
+
+
+@pytest.mark.parametrize("name", ["fallback_call", "async_fallback_call"])
+@pytest.mark.parametrize("outage", [disable, cool])
+def test_the_second_pool_serves_while_the_first_is_out_and_the_first_when_it_is_back(
+    app: Harvest, runner: Runner, name: str, outage: Callable[[Harvest], Callable[[], None]]
+) -> None:
+    assert {job.result["pool"] for job in run(app, runner, name, 3)} == {FIRST}
+    back = outage(app)
+    jobs = run(app, runner, name, 6)
+    assert {job.status for job in jobs} == {JobStatus.SUCCEEDED}
+    assert {job.result["pool"] for job in jobs} == {SECOND}  # ctx.pool
+    assert {job.attempts for job in jobs} == {1}  # falling back used no attempt
+    back()
+    jobs = run(app, runner, name, 4)  # as many as the first pool's keys take at once
+    assert {job.result["pool"] for job in jobs} == {FIRST}
+    assert {job.attempts for job in jobs} == {1}
+
+
+def test_with_every_pool_out_a_job_is_deferred_without_an_attempt(
+    app: Harvest, runner: Runner, redis_client: redis.Redis
+) -> None:
+    disable(app)
+    pool = KeyPool(redis_client, SECOND)
+    (key,) = pool.snapshot()
+    pool.cooldown(key.key_id, 60.0)
+    ids = app.enqueue_many("fallback_call", [{}] * 2)
+    assert runner.execute(body(claim_all(app.engine)))["deferred"] == 2
+    with app.engine.connect() as conn:
+        jobs = [store.get(conn, i) for i in ids]
+    assert all(j is not None and j.status is JobStatus.PENDING and j.attempts == 0 for j in jobs)
+
+
+def test_dispatch_counts_the_pools_together(app: Harvest) -> None:
+    ids = app.enqueue_many("fallback_call", [{}] * 30)
+    dispatcher.dispatch(app)
+    published = app.broker.published  # type: ignore[attr-defined]
+    # three keys of concurrency 2 over both pools, and one sent ahead (a tenth, rounded up)
+    assert len(set(ids) & set(published)) == 7
+    dispatcher.dispatch(app)  # none has started: nothing more for the pair
+    assert len(set(ids) & set(app.broker.published)) == 7  # type: ignore[attr-defined]
+
+
+def test_dispatch_counts_only_the_pools_that_can_serve(app: Harvest) -> None:
+    disable(app)
+    ids = app.enqueue_many("fallback_call", [{}] * 30)
+    dispatcher.dispatch(app)
+    # the second pool's one key of concurrency 2, and one sent ahead
+    assert len(set(ids) & set(app.broker.published)) == 3  # type: ignore[attr-defined]

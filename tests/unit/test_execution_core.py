@@ -1,0 +1,405 @@
+"""The core of execution decides everything about a held job without I/O: driven here by a
+scripted shell that answers each effect, so every path is checked in microseconds."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Generator
+from typing import Any
+
+import pytest
+
+from harvest.app import JobSpec
+from harvest.coordination.key_pool import Busy, Lease
+from harvest.errors import KeyRejected, RateLimited
+from harvest.execution import core, tracking
+from harvest.execution import effects as fx
+from harvest.execution.observe import AttemptEnded, AttemptStarted, Deferred
+from harvest.jobs import Started
+from harvest.models import JobStatus
+from harvest.retry import RetryPolicy
+
+PLAN = core.Plan(
+    worker="host:1", key_wait=1.0, unknown_job_grace=60.0, retry_base=1.0, lease_ttl=30.0
+)
+TOKEN = uuid.uuid4()
+
+
+def spec(pool: str | None = None, rate: str | None = None, attempts: int = 3) -> JobSpec:
+    return JobSpec(
+        "j", lambda ctx: None, "execution", attempts, 10.0, (Exception,),
+        RetryPolicy(base=2.0, jitter=0.0), pool, rate,
+    )  # fmt: skip
+
+
+def started(attempt: int = 1, max_attempts: int = 3) -> Started:
+    return Started(7, TOKEN, "j", {}, attempt, max_attempts, 10.0, False)
+
+
+class Script:
+    """Answers effects from a table of callables; records every effect it saw."""
+
+    def __init__(self, **answers: Callable[[Any], Any]) -> None:
+        self.answers = answers
+        self.seen: list[Any] = []
+        self.clock = 0.0
+
+    def run(self, gen: Generator[Any, Any, Any]) -> Any:
+        value: Any = None
+        while True:
+            try:
+                effect = gen.send(value)
+            except StopIteration as stop:
+                return stop.value
+            self.seen.append(effect)
+            name = type(effect).__name__
+            if name == "Clock":
+                value = self.clock
+            elif name == "AwaitKey":
+                self.clock += effect.seconds
+                value = None
+            else:
+                value = self.answers.get(name, lambda e: None)(effect)
+
+    def of(self, kind: type) -> list[Any]:
+        return [e for e in self.seen if isinstance(e, kind)]
+
+
+def tracked() -> tracking.Tracked:
+    return tracking.Tracked(7, TOKEN, "j", 1)
+
+
+def lease(key: int = 1) -> Lease:
+    return Lease("p", key, "tok", 5, 1e9)
+
+
+def test_a_success_is_started_run_finished_and_reported() -> None:
+    s = Script(Start=lambda e: started(), RunHandler=lambda e: fx.HandlerResult(value={"ok": 1}),
+               Finish=lambda e: True)  # fmt: skip
+    assert s.run(core.attempt(tracked(), spec(), PLAN)) == ("started",)
+    (finish,) = s.of(fx.Finish)
+    assert finish.row.status is JobStatus.SUCCEEDED and finish.row.result_json == '{"ok": 1}'
+    events = [type(n.event) for n in s.of(fx.Notify)]
+    assert events == [AttemptStarted, AttemptEnded]
+
+
+def test_a_duplicate_delivery_stops_at_the_start_and_is_counted() -> None:
+    s = Script(Start=lambda e: None)
+    assert s.run(core.attempt(tracked(), spec(), PLAN)) == ("suppressed",)
+    assert [b.name for b in s.of(fx.Bump)] == [core.DUPLICATES]
+    assert not s.of(fx.RunHandler)
+
+
+def test_a_refused_finish_counts_the_outcome_as_lost() -> None:
+    s = Script(Start=lambda e: started(), RunHandler=lambda e: fx.HandlerResult(value=None),
+               Finish=lambda e: False)  # fmt: skip
+    assert s.run(core.attempt(tracked(), spec(), PLAN)) == ("started", "lost")
+    assert [b.name for b in s.of(fx.Bump)] == [core.LOST]
+
+
+def test_a_job_lost_while_it_waited_never_starts() -> None:
+    t = tracked()
+    t.lost = True
+    s = Script()
+    assert s.run(core.attempt(t, spec(), PLAN)) == ("lost",)
+    assert not s.of(fx.Start)
+
+
+def test_a_failure_retries_with_the_policy_then_fails_on_the_last_attempt() -> None:
+    boom = fx.HandlerResult(error=RuntimeError("boom"))
+    s = Script(Start=lambda e: started(1), RunHandler=lambda e: boom, Finish=lambda e: True)
+    s.run(core.attempt(tracked(), spec(), PLAN))
+    row = s.of(fx.Finish)[0].row
+    assert row.status is JobStatus.PENDING and row.retry_delay == 2.0 and not row.refund_attempt
+    s = Script(Start=lambda e: started(3), RunHandler=lambda e: boom, Finish=lambda e: True)
+    s.run(core.attempt(tracked(), spec(), PLAN))
+    assert s.of(fx.Finish)[0].row.status is JobStatus.FAILED
+
+
+def test_a_timeout_is_a_job_timeout_through_the_retry_policy() -> None:
+    s = Script(Start=lambda e: started(), RunHandler=lambda e: fx.HandlerResult(timed_out=True),
+               Finish=lambda e: True)  # fmt: skip
+    s.run(core.attempt(tracked(), spec(), PLAN))
+    row = s.of(fx.Finish)[0].row
+    assert row.status is JobStatus.PENDING and row.error is not None
+    assert row.error.startswith("JobTimeout")
+
+
+@pytest.mark.parametrize(
+    ("error", "effect"), [(RateLimited(12.0), fx.CoolKey), (KeyRejected("401"), fx.DisableKey)]
+)
+def test_the_keys_fault_rests_or_disables_the_key_and_uses_no_attempt(
+    error: Exception, effect: type
+) -> None:
+    result = fx.HandlerResult(error=error)
+    s = Script(LeaseKey=lambda e: lease(), Start=lambda e: started(),
+               RunHandler=lambda e: result, Finish=lambda e: True)  # fmt: skip
+    s.run(core.attempt(tracked(), spec(pool="p"), PLAN))
+    assert len(s.of(effect)) == 1
+    row = s.of(fx.Finish)[0].row
+    assert row.status is JobStatus.PENDING and row.refund_attempt
+    order = [type(e) for e in s.seen]
+    assert order.count(fx.ReleaseKey) == 1  # given back once, before the write (free sooner)
+    assert order.index(effect) < order.index(fx.ReleaseKey) < order.index(fx.Finish)
+
+
+def test_no_key_within_key_wait_defers_without_an_attempt() -> None:
+    s = Script(LeaseKey=lambda e: Busy(0.3), Defer=lambda e: True)
+    assert s.run(core.attempt(tracked(), spec(pool="p"), PLAN)) == ("deferred",)
+    assert not s.of(fx.Start)
+    assert len(s.of(fx.LeaseKey)) == 5  # tried every 0.25 s for key_wait = 1 s
+    assert [type(n.event) for n in s.of(fx.Notify)] == [Deferred]
+
+
+def test_a_pool_redis_lost_is_rebuilt_once() -> None:
+    answers = iter([None, lease()])
+    s = Script(LeaseKey=lambda e: next(answers), Start=lambda e: None)
+    s.run(core.attempt(tracked(), spec(pool="p"), PLAN))
+    assert len(s.of(fx.LoadPool)) == 1 and s.of(fx.ReleaseKey)
+
+
+def test_a_closed_rate_limit_defers() -> None:
+    s = Script(RatePermit=lambda e: 4.0, Defer=lambda e: True)
+    assert s.run(core.attempt(tracked(), spec(rate="1/s"), PLAN)) == ("deferred",)
+    assert s.of(fx.Defer)[0].row.delay == 4.0
+
+
+def test_an_unknown_job_is_deferred_until_its_grace_passes_then_fails() -> None:
+    s = Script(Defer=lambda e: True)
+    assert s.run(core.attempt(tracked(), None, PLAN, deferred_for=10.0)) == ("deferred",)
+    assert "unknown job" in (s.of(fx.Defer)[0].row.reason or "")
+    s = Script(Start=lambda e: started(), Finish=lambda e: True)
+    assert s.run(core.attempt(tracked(), None, PLAN, deferred_for=61.0)) == ("started",)
+    row = s.of(fx.Finish)[0].row
+    assert row.status is JobStatus.FAILED and (row.error or "").startswith("UnknownJob")
+
+
+def test_a_handler_ended_at_its_deadline_elsewhere_writes_nothing_more() -> None:
+    result = fx.HandlerResult(value={"late": 1}, ended_elsewhere=True)
+    s = Script(Start=lambda e: started(), RunHandler=lambda e: result)
+    assert s.run(core.attempt(tracked(), spec(), PLAN)) == ("started",)
+    assert not s.of(fx.Finish)
+
+
+def test_handing_back_at_shutdown_defers_at_once_and_releases_the_key() -> None:
+    t = tracked()
+    t.handing_back = "the worker shut down"
+    s = Script(Defer=lambda e: True)
+    assert s.run(core.attempt(t, spec(pool="p"), PLAN)) == ("deferred",)
+    assert s.of(fx.Defer)[0].row.delay == 0.0 and not s.of(fx.LeaseKey)
+    handed = fx.HandlerResult(handed_back=True)
+    s = Script(Start=lambda e: started(), RunHandler=lambda e: handed, Finish=lambda e: True)
+    s.run(core.attempt(tracked(), spec(), PLAN))
+    row = s.of(fx.Finish)[0].row
+    assert row.status is JobStatus.PENDING and row.refund_attempt
+
+
+def test_heartbeat_settles_lost_and_cancelled_but_not_jobs_that_are_finishing() -> None:
+    a, b, c = (tracking.Tracked(i, uuid.uuid4()) for i in (1, 2, 3))
+    c.finishing = True  # its own finish cleared the lease: no news
+    lost, cancelled = tracking.settle([a, b, c], {2: True})
+    assert lost == [a] and a.lost and cancelled == [b] and b.cancel.is_set() and not c.lost
+
+
+def test_a_key_lease_is_trusted_without_io_only_while_fresh() -> None:
+    t = tracking.Tracked(1, uuid.uuid4())
+    t.key_renewed(sent_at=100.0, ttl=10.0)
+    assert t.key_fresh(107.9) and not t.key_fresh(108.1)
+    t.lost = True
+    assert not t.key_fresh(101.0)
+
+
+def test_a_key_given_back_during_a_renewal_round_is_no_news(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A job whose handler ended while the round was in flight released its key (the renewal
+    then finds no lease): no warning. One still holding its lease is warned about."""
+    ended, running = tracking.Tracked(1, uuid.uuid4()), tracking.Tracked(2, uuid.uuid4())
+    leases = [Lease("p", key_id, "t", 1, 0.0) for key_id in (11, 12)]
+    ended.key_lease, running.key_lease = leases
+    keyed = [(ended, leases[0]), (running, leases[1])]
+    ended.key_lease = None  # released after the round was planned
+    with caplog.at_level("WARNING", logger="harvest.heartbeat"):
+        tracking.keys_renewed(keyed, [False, False], sent_at=5.0, ttl=10.0)
+    assert [r.getMessage() for r in caplog.records] == ["key lease on key 12 of pool 'p' was lost"]
+    tracking.keys_renewed([(running, leases[1])], [True], sent_at=5.0, ttl=10.0)
+    assert running.key_fresh(12.9)
+
+
+LOST_WARNING = "lease lost while running"
+
+
+def test_a_renewal_that_misses_a_job_finished_meanwhile_logs_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The race of issue 13: a heartbeat round picked job 7, its finish was recorded, then the
+    renewal statement matched no row. No warning for a job whose finish was recorded."""
+    job = tracked()
+    renewal = tracking.renewal([job], 0.0)  # the heartbeat's snapshot: job 7 is due
+    assert renewal.jobs == [job]
+
+    def finish_then_renewal_misses(effect: Any) -> bool:
+        tracking.settle(renewal.jobs, {})  # the renewal lands after the finish committed
+        return True
+
+    s = Script(Start=lambda e: started(), RunHandler=lambda e: fx.HandlerResult(value=None),
+               Finish=finish_then_renewal_misses)  # fmt: skip
+    with caplog.at_level("WARNING"):
+        assert s.run(core.attempt(job, spec(), PLAN)) == ("started",)
+    assert not job.lost and LOST_WARNING not in caplog.text
+
+
+def test_a_renewal_that_misses_a_job_deferred_meanwhile_logs_nothing(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    job = tracked()
+    renewal = tracking.renewal([job], 0.0)
+
+    def defer_then_renewal_misses(effect: Any) -> bool:
+        tracking.settle(renewal.jobs, {})
+        return True
+
+    s = Script(RatePermit=lambda e: 5.0, Defer=defer_then_renewal_misses)
+    with caplog.at_level("WARNING"):
+        assert s.run(core.attempt(job, spec(rate="1/s"), PLAN)) == ("deferred",)
+    assert not job.lost and "lease lost" not in caplog.text
+
+
+def test_an_outcome_dropped_for_a_lost_lease_is_logged_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    job = tracked()
+    s = Script(Start=lambda e: started(), RunHandler=lambda e: fx.HandlerResult(value=None),
+               Finish=lambda e: False)  # fmt: skip
+    with caplog.at_level("WARNING"):
+        s.run(core.attempt(job, spec(), PLAN))
+    assert caplog.text.count(LOST_WARNING) == 1 and "job 7 attempt 1" in caplog.text
+
+
+# --- token budgets ----------------------------------------------------------------------------
+
+
+def costly(cost: Any) -> JobSpec:
+    return JobSpec(
+        "j", lambda ctx: None, "execution", 3, 10.0, (Exception,),
+        RetryPolicy(base=2.0, jitter=0.0), "p", None, None, cost,
+    )  # fmt: skip
+
+
+def test_the_cost_is_reserved_at_the_lease_and_what_was_used_settled_at_the_release() -> None:
+    def run(e: fx.RunHandler) -> fx.HandlerResult:
+        e.tracked.used(300)  # what ctx.used(tokens=...) does
+        e.tracked.used(20)
+        return fx.HandlerResult(value=None)
+
+    s = Script(LeaseKey=lambda e: lease(), Start=lambda e: started(), RunHandler=run,
+               Finish=lambda e: True)  # fmt: skip
+    t = tracked()
+    s.run(core.attempt(t, costly(lambda p: p["n"] * 2), PLAN, payload={"n": 500}))
+    assert [e.cost for e in s.of(fx.LeaseKey)] == [1000]
+    assert [e.used for e in s.of(fx.ReleaseKey)] == [320]
+
+
+def test_a_handler_that_reports_nothing_leaves_its_reservation_standing() -> None:
+    ran = fx.HandlerResult(value=None)
+    s = Script(LeaseKey=lambda e: lease(), Start=lambda e: started(),
+               RunHandler=lambda e: ran, Finish=lambda e: True)  # fmt: skip
+    s.run(core.attempt(tracked(), costly(700), PLAN))
+    assert [e.cost for e in s.of(fx.LeaseKey)] == [700]
+    assert [e.used for e in s.of(fx.ReleaseKey)] == [None]
+
+
+def test_a_reservation_of_a_job_that_never_ran_is_refunded() -> None:
+    s = Script(LeaseKey=lambda e: lease(), Start=lambda e: None)  # a duplicate delivery
+    s.run(core.attempt(tracked(), costly(700), PLAN))
+    assert [e.used for e in s.of(fx.ReleaseKey)] == [0]
+
+
+def test_a_failing_cost_function_fails_the_job_without_a_key_a_call_or_a_retry() -> None:
+    s = Script(Start=lambda e: started(1), Finish=lambda e: True)
+    s.run(core.attempt(tracked(), costly(lambda p: p["missing"]), PLAN, payload={}))
+    assert not s.of(fx.LeaseKey) and not s.of(fx.RunHandler)
+    row = s.of(fx.Finish)[0].row
+    assert row.status is JobStatus.FAILED and row.error is not None and "cost" in row.error
+    s = Script(Start=lambda e: started(1), Finish=lambda e: True)
+    s.run(core.attempt(tracked(), costly(lambda p: -5), PLAN, payload={}))
+    assert "whole number" in (s.of(fx.Finish)[0].row.error or "")
+
+
+def test_a_cost_above_every_keys_budget_fails_the_job_at_once() -> None:
+    s = Script(LeaseKey=lambda e: Busy(1.0, never=True), Start=lambda e: started(1),
+               Finish=lambda e: True)  # fmt: skip
+    s.run(core.attempt(tracked(), costly(5000), PLAN))
+    assert len(s.of(fx.LeaseKey)) == 1 and not s.of(fx.RunHandler) and not s.of(fx.Defer)
+    row = s.of(fx.Finish)[0].row
+    assert row.status is JobStatus.FAILED and "5000 tokens is more than" in (row.error or "")
+
+
+def _observing(headers: dict[str, str], error: BaseException | None) -> Callable[[Any], Any]:
+    """A handler result that, like ctx.observe(r), hands the response's headers over first."""
+
+    def run(effect: Any) -> fx.HandlerResult:
+        effect.tracked.observe(headers)
+        return fx.HandlerResult(error=error)
+
+    return run
+
+
+@pytest.mark.parametrize(
+    ("headers", "error", "succeeded", "exhausted"),
+    [
+        ({"x-ratelimit-remaining-requests": "3", "x-ratelimit-reset-requests": "2s"}, None, True,
+         None),
+        ({"x-ratelimit-remaining-requests": "0", "x-ratelimit-reset-requests": "2s"},
+         RateLimited(2.0), False, True),
+        ({}, RateLimited(2.0), False, False),
+        ({}, ValueError("boom"), False, None),
+    ],
+)  # fmt: skip
+def test_what_the_key_learns_is_decided_once_for_both_shells(
+    headers: dict[str, str], error: BaseException | None, succeeded: bool, exhausted: bool | None
+) -> None:
+    """A success grows the key back; a 429 the headers explain does not lower it; the headers
+    reach the release (sync and async shells drive this same core)."""
+    s = Script(LeaseKey=lambda e: lease(), Start=lambda e: started(),
+               RunHandler=_observing(headers, error), Finish=lambda e: True)  # fmt: skip
+    s.run(core.attempt(tracked(), spec(pool="p"), PLAN))
+    (release,) = s.of(fx.ReleaseKey)
+    assert release.succeeded is succeeded
+    said = release.announced
+    assert (said.requests if said else None) == (int(v) if (v := headers.get(
+        "x-ratelimit-remaining-requests")) else None)  # fmt: skip
+    assert [c.exhausted for c in s.of(fx.CoolKey)] == ([] if exhausted is None else [exhausted])
+
+
+@pytest.mark.parametrize(
+    ("result", "counted"),
+    [
+        (fx.HandlerResult(value=None), (False, False)),
+        (fx.HandlerResult(error=RateLimited(2.0)), (True, False)),
+        (fx.HandlerResult(error=RuntimeError("500")), (False, True)),
+        (fx.HandlerResult(timed_out=True), (False, True)),
+        (fx.HandlerResult(error=RuntimeError("x"), cancelled=True), (False, False)),
+    ],
+)
+def test_each_call_with_a_key_is_counted_once_for_both_shells(
+    result: fx.HandlerResult, counted: tuple[bool, bool]
+) -> None:
+    def run(e: fx.RunHandler) -> fx.HandlerResult:
+        e.tracked.used(42)
+        return result
+
+    s = Script(LeaseKey=lambda e: lease(7), Start=lambda e: started(), RunHandler=run,
+               Finish=lambda e: True)  # fmt: skip
+    s.run(core.attempt(tracked(), costly(500), PLAN))
+    (count,) = s.of(fx.CountUsage)
+    assert (count.call.pool, count.call.key_id, count.call.tokens) == ("p", 7, 42)
+    assert (count.call.limited, count.call.error) == counted
+    order = [type(e) for e in s.seen]
+    assert order.index(fx.ReleaseKey) < order.index(fx.CountUsage)
+
+
+def test_no_call_no_count() -> None:
+    s = Script(LeaseKey=lambda e: lease(), Start=lambda e: None)  # a duplicate delivery
+    s.run(core.attempt(tracked(), costly(700), PLAN))
+    assert s.of(fx.ReleaseKey) and not s.of(fx.CountUsage)

@@ -1,0 +1,176 @@
+"""Job-level log lines, from the observer called directly: a success, a retry, a failure, a
+lost outcome; logfmt and JSON; secrets inside an error masked."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+from harvest.app import JobSpec
+from harvest.errors import RateLimited
+from harvest.execution import outcome
+from harvest.execution.observe import AttemptEnded, AttemptStarted
+from harvest.joblog import JobLog, logfmt
+from harvest.jobs import Started
+from harvest.retry import RetryPolicy
+
+SECRET = "sk-live-0123456789abcdefwxyz"
+
+
+def job(attempt: int = 1, max_attempts: int = 3) -> Started:
+    return Started(7, uuid.uuid4(), "fetch_page", {}, attempt, max_attempts, 60.0, False)
+
+
+def spec() -> JobSpec:
+    return JobSpec(
+        "fetch_page", lambda ctx: None, "execution", 3, 60.0, (Exception,), RetryPolicy(base=2.0)
+    )
+
+
+@pytest.fixture
+def lines() -> Iterator[tuple[logging.Logger, io.StringIO]]:
+    log = logging.getLogger("test.harvest.jobs")
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    yield log, stream
+    log.removeHandler(handler)
+
+
+def run(observer: JobLog, started: Started, ended: outcome.Outcome, seconds: float = 0.25) -> None:
+    observer.started(AttemptStarted(started, "host:42", 1_800_000_000.0))
+    observer.ended(AttemptEnded(started, ended, seconds, "host:42", True, 1_800_000_000.25))
+
+
+def test_logfmt_lines_of_a_success_a_retry_and_a_failure(
+    lines: tuple[logging.Logger, io.StringIO],
+) -> None:
+    log, stream = lines
+    observer = JobLog("logfmt", log)
+    run(observer, job(1), outcome.succeeded({"ok": True}))
+    retry = outcome.raised(job(1), spec(), RuntimeError("upstream said 503"))
+    run(observer, job(1), retry, seconds=0.5321)
+    failed = outcome.raised(job(3), spec(), RuntimeError("still 503"))
+    run(observer, job(3), failed)
+    out = stream.getvalue().splitlines()
+    assert out[0] == "INFO event=job.start job=7 name=fetch_page attempt=1/3 worker=host:42"
+    assert out[1] == (
+        "INFO event=job.end job=7 name=fetch_page attempt=1/3 outcome=succeeded "
+        "duration_s=0.25 worker=host:42"
+    )
+    assert out[3] == (
+        "WARNING event=job.end job=7 name=fetch_page attempt=1/3 outcome=retry "
+        f"duration_s=0.532 retry_in_s={round(retry.retry_delay, 3)} "
+        'error_type=RuntimeError error="upstream said 503" worker=host:42'
+    )
+    assert 1.0 <= retry.retry_delay <= 3.0  # the job's policy (base 2 s, with jitter)
+    assert out[4].startswith("INFO event=job.start job=7 name=fetch_page attempt=3/3")
+    assert out[5] == (
+        "ERROR event=job.end job=7 name=fetch_page attempt=3/3 outcome=failed "
+        'duration_s=0.25 error_type=RuntimeError error="still 503" worker=host:42'
+    )
+
+
+def test_secrets_inside_an_error_are_masked(lines: tuple[logging.Logger, io.StringIO]) -> None:
+    log, stream = lines
+    observer = JobLog("logfmt", log)
+    exc = RuntimeError(f"key {SECRET} refused by postgresql://app:hunter2@db:5432/x")
+    run(observer, job(3), outcome.raised(job(3), spec(), exc, secret=SECRET))
+    # An error that reached the observer unmasked (not through harvest's outcome) is masked too.
+    error = "OSError: redis://:hunter2@cache:6379/0"
+    raw = outcome.Outcome(outcome.JobStatus.FAILED, error=error, error_type="OSError")
+    run(observer, job(3), raw)
+    text = stream.getvalue()
+    assert SECRET not in text and "hunter2" not in text
+    assert "sk-…wxyz" in text
+    assert "postgresql://app:***@db:5432/x" in text
+    assert "redis://:***@cache:6379/0" in text
+
+
+def test_json_lines_and_what_a_rate_limited_attempt_says(
+    lines: tuple[logging.Logger, io.StringIO],
+) -> None:
+    log, stream = lines
+    observer = JobLog("json", log)
+    limited = outcome.raised(job(2), spec(), RateLimited(4.0), keyed=True)
+    run(observer, job(2), limited)
+    observer.ended(
+        AttemptEnded(job(2), outcome.succeeded(None), 1.0, "host:42", False, 1_800_000_001.0)
+    )
+    start, end, lost = (json.loads(x.split(" ", 1)[1]) for x in stream.getvalue().splitlines())
+    assert start == {
+        "ts": "2027-01-15T08:00:00.000+00:00",
+        "level": "info",
+        "event": "job.start",
+        "job": 7,
+        "name": "fetch_page",
+        "attempt": "2/3",
+        "worker": "host:42",
+    }
+    assert end["outcome"] == "retry" and end["retry_in_s"] == 4.0
+    assert end["attempt_counted"] is False  # the key's fault: the attempt was given back
+    assert end["error_type"] == "RateLimited" and end["level"] == "warning"
+    assert lost["recorded"] is False and lost["level"] == "warning"
+
+
+def test_json_mode_writes_lines_alone_when_the_logger_has_no_handler(
+    capfd: pytest.CaptureFixture[str],
+) -> None:
+    log = logging.getLogger("harvest.jobs")
+    before = (list(log.handlers), log.propagate, log.level)
+    try:
+        log.handlers.clear()
+        observer = JobLog("json")
+        run(observer, job(1), outcome.succeeded(None))
+        err = capfd.readouterr().err.splitlines()
+        assert [json.loads(line)["event"] for line in err] == ["job.start", "job.end"]
+    finally:
+        log.handlers[:], log.propagate = before[0], before[1]
+        log.setLevel(before[2])
+
+
+def test_logfmt_quotes_what_needs_quoting() -> None:
+    assert logfmt({"a": 1, "b": "x y", "c": 'say "hi"', "d": "k=v", "e": True, "f": ""}) == (
+        'a=1 b="x y" c="say \\"hi\\"" d="k=v" e=true f=""'
+    )
+
+
+def test_task_events_of_an_attempt_name_the_job_and_end_as_celery_would() -> None:
+    """One attempt, one Celery task: received+started when it starts; SUCCESS, RETRY, FAILURE
+    or REVOKED when it ends; nothing when its write was refused (another attempt owns it)."""
+    from harvest.execution.observe import AttemptEnded, AttemptStarted
+    from harvest.execution.outcome import Outcome
+    from harvest.jobs import Started
+    from harvest.models import JobStatus
+    from harvest.worker.events import attempt_task_id, ended_events, started_events
+
+    job = Started(7, uuid.uuid4(), "fetch", {"url": "https://u:pw@x.example/"}, 2, 3, 5.0, False)
+    sent = started_events(AttemptStarted(job, "host:1", 0.0))
+    assert [kind for kind, _ in sent] == ["task-received", "task-started"]
+    received = sent[0][1]
+    assert received["name"] == "fetch" and received["retries"] == 1
+    assert received["uuid"] == attempt_task_id(7, 2) != attempt_task_id(7, 3)
+    assert "pw" not in str(received["args"]) and "x.example" in str(received["args"])
+
+    def ended(outcome: Outcome, recorded: bool = True) -> list[str]:
+        return [k for k, _ in ended_events(AttemptEnded(job, outcome, 0.5, "h:1", recorded, 0.0))]
+
+    assert ended(Outcome(JobStatus.SUCCEEDED, result_json="{}")) == ["task-succeeded"]
+    assert ended(Outcome(JobStatus.PENDING, error="503", error_type="HTTPError")) == [
+        "task-retried"
+    ]
+    failed = ended_events(
+        AttemptEnded(job, Outcome(JobStatus.FAILED, error="boom", error_type="ValueError"),
+                     0.5, "h:1", True, 0.0)
+    )  # fmt: skip
+    assert failed[0][0] == "task-failed" and failed[0][1]["exception"] == "ValueError('boom')"
+    assert ended(Outcome(JobStatus.CANCELLED)) == ["task-revoked"]
+    assert ended(Outcome(JobStatus.SUCCEEDED), recorded=False) == []
