@@ -69,7 +69,8 @@ def call_api(ctx: JobContext, url: str, hold: float = 0.0) -> dict[str, Any]:
     logs (key digest, fence, start, end)."""
     assert ctx.lease is not None
     with ctx.client() as http:
-        response = http.get(url, params={"fence": ctx.lease.fence, "hold": hold, "job": ctx.job_id})
+        params = {"fence": ctx.lease.fence, "hold": hold, "job": ctx.job_id}
+        response = http.get(url, params={**params, "granted": ctx.lease.granted_at})
     if response.status_code == 429:
         ctx.rate_limited(float(response.headers.get("Retry-After", "1")))
     if response.status_code in (401, 403):

@@ -109,7 +109,8 @@ class KeySpec:
 
 @dataclass(frozen=True)
 class Lease:
-    """A key held by one holder until ``expires_at`` (seconds since the epoch, Redis clock)."""
+    """A key held by one holder until ``expires_at``, granted at ``granted_at`` (seconds since
+    the epoch, both on the Redis clock: the time the key's rate window counted this grant at)."""
 
     pool: str
     key_id: int
@@ -117,6 +118,7 @@ class Lease:
     fence: int
     expires_at: float
     cost: int = 0  # tokens reserved on the key (settled at release with what the call used)
+    granted_at: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,7 @@ class _PoolShape:
         return script_keys, [self._prefix, micros(ttl), cost, *tokens], tokens
 
     def _leases_from(
-        self, reply: list[Any], tokens: list[str], cost: int = 0
+        self, reply: list[Any], tokens: list[str], args: list[Any], cost: int = 0
     ) -> list[Lease] | Busy:
         granted = int(reply[0])
         if granted < 0:
@@ -164,7 +166,7 @@ class _PoolShape:
         if granted == 0:
             retry_us = int(reply[1])
             return Busy(IDLE_RETRY if retry_us < 0 else to_seconds(retry_us), retry_us == -2)
-        rows = reply[2:]
+        rows, ttl_us = reply[2:], int(args[1])
         return [
             Lease(
                 self.pool,
@@ -173,6 +175,7 @@ class _PoolShape:
                 int(rows[i * 3 + 1]),
                 to_seconds(int(rows[i * 3 + 2])),
                 cost,
+                to_seconds(int(rows[i * 3 + 2]) - ttl_us),
             )
             for i in range(granted)
         ]
@@ -296,7 +299,7 @@ class KeyPool(_PoolShape):
         Returns the leases granted (maybe fewer than ``n``), or :class:`Busy` when none was.
         """
         script_keys, args, tokens = self._lease_call(holder, ttl, n, cost)
-        return self._leases_from(self._lease.array(script_keys, args), tokens, cost)
+        return self._leases_from(self._lease.array(script_keys, args), tokens, args, cost)
 
     def acquire(self, holder: str, ttl: float, *, timeout: float, cost: int = 0) -> Lease:
         """Lease a key, waiting up to ``timeout`` seconds.
@@ -442,7 +445,7 @@ class AsyncKeyPool(_PoolShape):
     async def lease(self, holder: str, ttl: float, *, cost: int = 0) -> Lease | Busy:
         """See :meth:`KeyPool.lease`. :raises PoolNotLoaded: Redis holds no such pool."""
         script_keys, args, tokens = self._lease_call(holder, ttl, 1, cost)
-        result = self._leases_from(await self._lease.array(script_keys, args), tokens, cost)
+        result = self._leases_from(await self._lease.array(script_keys, args), tokens, args, cost)
         return result if isinstance(result, Busy) else result[0]
 
     async def heartbeat_many(self, leases: Sequence[Lease], ttl: float) -> list[bool]:

@@ -18,6 +18,7 @@ class Call:
     start: float
     end: float
     job: int
+    granted: float  # when the gate granted the lease (Redis clock; 0: not sent)
 
 
 @dataclass
@@ -43,7 +44,14 @@ class ApiServer:
                 end = time.time()
                 with server.lock:
                     server.calls.append(
-                        Call(digest, int(query["fence"][0]), start, end, int(query["job"][0]))
+                        Call(
+                            digest,
+                            int(query["fence"][0]),
+                            start,
+                            end,
+                            int(query["job"][0]),
+                            float(query.get("granted", ["0"])[0]),
+                        )
                     )
                 self.send_response(200)
                 self.end_headers()
