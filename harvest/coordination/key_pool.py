@@ -166,18 +166,11 @@ class _PoolShape:
         if granted == 0:
             retry_us = int(reply[1])
             return Busy(IDLE_RETRY if retry_us < 0 else to_seconds(retry_us), retry_us == -2)
-        rows, ttl_us = reply[2:], int(args[1])
+        rows, ttl_us = [int(v) for v in reply[2:]], int(args[1])
+        triples = zip(rows[0::3], rows[1::3], rows[2::3], strict=True)  # key, fence, expiry
         return [
-            Lease(
-                self.pool,
-                int(rows[i * 3]),
-                tokens[i],
-                int(rows[i * 3 + 1]),
-                to_seconds(int(rows[i * 3 + 2])),
-                cost,
-                to_seconds(int(rows[i * 3 + 2]) - ttl_us),
-            )
-            for i in range(granted)
+            Lease(self.pool, key, token, fence, to_seconds(end), cost, to_seconds(end - ttl_us))
+            for token, (key, fence, end) in zip(tokens, triples, strict=False)
         ]
 
     def _leases_key(self, lease: Lease) -> str:

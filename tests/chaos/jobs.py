@@ -88,7 +88,14 @@ def _db() -> psycopg.Connection[Any]:
     if conn is None or conn.closed or conn.broken:
         _conn.clear()
         url = os.environ["HARVEST_DATABASE_URL"].replace("postgresql+psycopg://", "postgresql://")
-        conn = psycopg.connect(url, autocommit=True, connect_timeout=5, application_name="chaos")
+        pooled = os.environ.get("HARVEST_DATABASE_POOLER") == "transaction"  # F13: PgBouncer
+        conn = psycopg.connect(
+            url,
+            autocommit=True,
+            connect_timeout=5,
+            application_name="chaos",
+            prepare_threshold=None if pooled else 5,
+        )
         _conn[os.getpid()] = conn
     return conn
 
