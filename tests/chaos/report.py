@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 CASES = (
-    "F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F11", "F12",
+    "F1", "F2", "F3", "F4", "F5", "F6", "F7", "F8", "F9", "F10", "F11", "F12", "F13",
     "S1", "S2", "S3", "S4", "S5",
 )  # fmt: skip
 LATEST = Path(__file__).resolve().parent / "latest.md"
