@@ -48,7 +48,7 @@ def run(ctx: Ctx) -> list[Row]:
     ctx.later(conn.close)
 
     def truncate() -> None:
-        conn.execute("TRUNCATE harvest_jobs")
+        conn.execute("TRUNCATE harvest_jobs CASCADE")  # and the attempts (0007)
 
     def harvest_single() -> None:
         client.enqueue(bench_jobs.NOOP, {})

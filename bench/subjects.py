@@ -122,7 +122,7 @@ class HarvestSubject:
             " WHERE status IN ('succeeded', 'failed', 'cancelled')"
             " ORDER BY finished_at DESC LIMIT 500"
         )
-        self.conn.execute("TRUNCATE harvest_jobs")
+        self.conn.execute("TRUNCATE harvest_jobs CASCADE")  # and the attempts (0007)
         self.conn.execute("INSERT INTO harvest_jobs SELECT * FROM bench_recent")
         self.conn.execute("VACUUM ANALYZE harvest_jobs")
 
