@@ -21,10 +21,16 @@ from harvest.settings import Settings
 T = TypeVar("T")
 
 
-def connect_options(settings: Settings) -> dict[str, Any]:
+def connect_options(settings: Settings, *, generic_plans: bool = False) -> dict[str, Any]:
     """What every harvest connection is opened with (SQLAlchemy's and the event loop's alike):
     a connect timeout, and server-side ``statement_timeout`` and
     ``idle_in_transaction_session_timeout`` so no session can hold row locks forever.
+
+    ``generic_plans`` (an execution worker's connections): prepared statements keep one plan
+    (``plan_cache_mode=force_generic_plan``). Every statement there finds its rows by primary
+    key (``harvest.execution.sql``), so the generic plan is the right one, and Postgres would
+    otherwise plan each run again (a generic plan's estimate for ``unnest`` of an array is ten
+    rows, a custom plan's one): planning was half of those statements' cost.
 
     Behind a transaction-mode pooler (``database_pooler="transaction"``) a connection carries
     nothing that outlives a transaction: no startup ``options`` (PgBouncer refuses them), and no
@@ -38,24 +44,28 @@ def connect_options(settings: Settings) -> dict[str, Any]:
         f"-c idle_in_transaction_session_timeout={settings.idle_in_transaction_timeout_ms} "
         "-c application_name=harvest"
     )
+    if generic_plans:
+        options += " -c plan_cache_mode=force_generic_plan"
     return {"options": options, "connect_timeout": 5}
 
 
 def make_engine(
-    settings: Settings, *, pool_size: int | None = None, pre_ping: bool = True
+    settings: Settings, *, pool_size: int | None = None, execution: bool = False
 ) -> Engine:
     """An engine sized for one process (a prefork child holds a couple of connections).
 
-    ``pre_ping=False`` (execution workers) skips the ``SELECT 1`` before each checkout; their
-    statements retry once on a fresh connection when the old one died instead."""
+    ``execution`` (an execution worker's): no ping before each checkout (a round trip, and a
+    transaction, for each statement: a third of that worker's Postgres transactions), as its
+    statements retry once on a fresh connection when the old one died instead; and generic
+    plans (see :func:`connect_options`)."""
     return create_engine(
         settings.database_url,
         pool_size=pool_size or settings.db_pool_size,
         max_overflow=settings.db_max_overflow,
-        pool_pre_ping=pre_ping,
+        pool_pre_ping=not execution,
         pool_timeout=10,
         pool_recycle=1800,
-        connect_args=connect_options(settings),
+        connect_args=connect_options(settings, generic_plans=execution),
     )
 
 

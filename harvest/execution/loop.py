@@ -95,7 +95,7 @@ class AsyncRuntime:
             settings.psycopg_url,
             min_size=1,
             max_size=settings.async_db_pool_size,
-            kwargs={"autocommit": True, **connect_options(settings)},
+            kwargs={"autocommit": True, **connect_options(settings, generic_plans=True)},
             timeout=10.0,
             open=False,
         )

@@ -46,32 +46,53 @@ def raw(conn: Connection | PgConnection[Any]) -> PgConnection[Any]:
     return driver
 
 
+def prepares(conn: PgConnection[Any] | AsyncConnection[Any]) -> bool:
+    """Whether to prepare a statement server-side at its first run: every statement here runs
+    for each job, and planning one was as much Postgres time as running it. Not on a
+    connection that prepares nothing (``prepare_threshold`` None: behind a transaction-mode
+    pooler, see :func:`harvest.db.connect_options`)."""
+    return conn.prepare_threshold is not None
+
+
 def run(conn: Connection | PgConnection[Any], query: Query[T]) -> T:
     """Run ``query`` on a blocking connection (SQLAlchemy's or psycopg's)."""
-    with raw(conn).cursor(row_factory=namedtuple_row) as cur:
-        cur.execute(query.sql, query.params, prepare=False)
+    driver = raw(conn)
+    with driver.cursor(row_factory=namedtuple_row) as cur:
+        cur.execute(query.sql, query.params, prepare=prepares(driver))
         return query.parse(cur.fetchall() if cur.description else [])
 
 
 async def arun(conn: AsyncConnection[Any], query: Query[T]) -> T:
     """Run ``query`` on an asyncio connection."""
     async with conn.cursor(row_factory=namedtuple_row) as cur:
-        await cur.execute(query.sql, query.params, prepare=False)
+        await cur.execute(query.sql, query.params, prepare=prepares(conn))
         return query.parse(await cur.fetchall() if cur.description else [])
 
 
 Pair = tuple[int, uuid.UUID]
 
 
+def _in(*states: str) -> str:
+    """A row's state test that the planner cannot match to a partial index. Written plainly
+    (``j.status = 'dispatched'``), it lets the planner walk the lease index (partial on the
+    states in flight) when statistics taken between floods say few rows are in flight: each
+    statement then read every row in flight to find its one (measured: 0.7 ms a statement
+    with 6,000 in flight, against 0.15 ms by primary key). Inside a CASE it is a filter only,
+    and each row is found by its id."""
+    listed = ", ".join(f"'{state}'" for state in states)
+    return f"CASE WHEN j.status IN ({listed}) THEN true END"
+
+
 def _pairs(jobs: Sequence[Pair]) -> dict[str, Any]:
     return {"ids": [j[0] for j in jobs], "tokens": [j[1] for j in jobs]}
 
 
-_HOLD = """
+_HOLD = f"""
     UPDATE harvest_jobs AS j
     SET lease_expires_at = now() + make_interval(secs => %(ttl)s)
     FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS m(id, token)
-    WHERE j.id = m.id AND j.lease_token = m.token AND j.status = 'dispatched'
+    WHERE j.id = m.id AND j.lease_token = m.token
+      AND {_in("dispatched")}
     RETURNING j.id, j.name, j.attempts, j.payload,
               extract(epoch FROM now() - j.deferred_since) AS deferred_for
 """
@@ -110,7 +131,7 @@ def hold(jobs: Sequence[Pair], *, ttl: float) -> Query[dict[int, Held]]:
     )
 
 
-_START = """
+_START = f"""
     UPDATE harvest_jobs AS j
     SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'running' END,
         attempts = j.attempts + CASE WHEN j.cancel_requested THEN 0 ELSE 1 END,
@@ -120,7 +141,8 @@ _START = """
         lease_expires_at = CASE WHEN j.cancel_requested THEN NULL
                                 ELSE now() + make_interval(secs => %(ttl)s) END
     FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS m(id, token)
-    WHERE j.id = m.id AND j.lease_token = m.token AND j.status = 'dispatched'
+    WHERE j.id = m.id AND j.lease_token = m.token
+      AND {_in("dispatched")}
     RETURNING j.id, m.token, j.name, j.payload, j.attempts, j.max_attempts, j.timeout, j.status,
               j.tenant
 """
@@ -156,11 +178,12 @@ def start(jobs: Sequence[Pair], *, ttl: float, worker: str | None) -> Query[dict
     return Query(_START, {**_pairs(jobs), "ttl": ttl, "worker": worker}, _started)
 
 
-_HEARTBEAT = """
+_HEARTBEAT = f"""
     UPDATE harvest_jobs AS j
     SET lease_expires_at = now() + make_interval(secs => %(ttl)s)
     FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS m(id, token)
-    WHERE j.id = m.id AND j.lease_token = m.token AND j.status IN ('dispatched', 'running')
+    WHERE j.id = m.id AND j.lease_token = m.token
+      AND {_in("dispatched", "running")}
     RETURNING j.id, j.cancel_requested
 """
 
@@ -177,7 +200,7 @@ def heartbeat(jobs: Sequence[Pair], *, ttl: float) -> Query[dict[int, bool]]:
 
 # A retry ('pending') of a job someone asked to cancel ends it cancelled instead: harvest
 # checks the cancel request before any retry, whether or not the handler saw it.
-_FINISH = """
+_FINISH = f"""
     UPDATE harvest_jobs AS j
     SET status = CASE WHEN f.status = 'pending' AND j.cancel_requested THEN 'cancelled'
                       ELSE f.status END,
@@ -192,7 +215,8 @@ _FINISH = """
                 %(results)s::text[], %(errors)s::text[], %(tracebacks)s::text[],
                 %(delays)s::float8[], %(refunds)s::int[])
          AS f(id, token, status, result, error, traceback, delay, refund)
-    WHERE j.id = f.id AND j.lease_token = f.token AND j.status = 'running'
+    WHERE j.id = f.id AND j.lease_token = f.token
+      AND {_in("running")}
     RETURNING j.id
 """
 
@@ -229,7 +253,7 @@ def finish(rows: Sequence[Finish]) -> Query[set[int]]:
     return Query(_FINISH, params, lambda found: {int(r.id) for r in found})
 
 
-_DEFER = """
+_DEFER = f"""
     UPDATE harvest_jobs AS j
     SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'pending' END,
         finished_at = CASE WHEN j.cancel_requested THEN now() END,
@@ -239,7 +263,8 @@ _DEFER = """
         run_at = now() + make_interval(secs => d.delay)
     FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(delays)s::float8[], %(reasons)s::text[])
          AS d(id, token, delay, reason)
-    WHERE j.id = d.id AND j.lease_token = d.token AND j.status = 'dispatched'
+    WHERE j.id = d.id AND j.lease_token = d.token
+      AND {_in("dispatched")}
     RETURNING j.id
 """
 

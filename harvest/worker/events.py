@@ -141,21 +141,20 @@ class TaskEvents(AttemptObserver):
                 pause = min(pause * 2, 30.0)
 
     def _send_batches(self, dispatcher: Any) -> None:
-        """Send events as they come, in messages of up to :data:`BATCH`, none waiting longer
-        than :data:`FLUSH_EVERY` seconds: at hundreds of jobs a second, one publish carries
-        many events instead of one each."""
-        flushed = time.monotonic()
+        """Every :data:`FLUSH_EVERY` seconds, send what came meanwhile, in messages of up to
+        :data:`BATCH`: at hundreds of jobs a second one publish carries many events instead
+        of one each. The thread sleeps between rounds rather than waiting on the queue: a
+        waiting thread is woken by every event put, and those wake-ups (a GIL hand-over
+        each) were a tenth of an execution process's time at 400 jobs a second."""
         while True:
-            try:
-                kind, fields = self._queue.get(timeout=FLUSH_EVERY)
-            except queue.Empty:
-                dispatcher.flush()
-                flushed = time.monotonic()
-                continue
-            dispatcher.send(kind, **fields)
-            if time.monotonic() - flushed >= FLUSH_EVERY:
-                dispatcher.flush()
-                flushed = time.monotonic()
+            time.sleep(FLUSH_EVERY)
+            while True:
+                try:
+                    kind, fields = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                dispatcher.send(kind, **fields)
+            dispatcher.flush()
             if self._dropped:
                 log.warning("%d task events dropped (backlog full)", self._dropped)
                 self._dropped = 0

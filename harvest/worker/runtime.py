@@ -11,6 +11,7 @@ from typing import Any
 
 from harvest.app import Harvest
 from harvest.broker import SCHEDULE_QUEUE
+from harvest.db import make_engine
 from harvest.execution.executor import Executor
 from harvest.joblog import JobLog
 from harvest.settings import load_settings
@@ -65,7 +66,8 @@ def harvest() -> Harvest:
             # to THREAD_POOL_CAP serves hundreds of them (a checkout waits up to 10 s).
             size = max(settings.db_pool_size, min(current.concurrency, THREAD_POOL_CAP) + 2)
             settings = settings.model_copy(update={"db_pool_size": size})
-        app = Harvest(settings)
+        engine = make_engine(settings, execution=True) if executes() else None
+        app = Harvest(settings, engine=engine)
         app.observers.add(JobLog(settings.log_format))  # one log line per attempt, start and end
         if settings.task_events and current.celery is not None and executes():
             app.observers.add(TaskEvents(current.celery, current.hostname))  # for Flower
