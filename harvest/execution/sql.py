@@ -47,15 +47,17 @@ def raw(conn: Connection | PgConnection[Any]) -> PgConnection[Any]:
 
 
 def prepares(conn: PgConnection[Any] | AsyncConnection[Any]) -> bool:
-    """Whether to prepare a statement server-side at its first run: every statement here runs
-    for each job, and planning one was as much Postgres time as running it. Not on a
+    """Whether to prepare a statement server-side at its first run: the statements run through
+    here run for each job (or each claim), and planning one was as much Postgres time as
+    running it. Not on a
     connection that prepares nothing (``prepare_threshold`` None: behind a transaction-mode
     pooler, see :func:`harvest.db.connect_options`)."""
     return conn.prepare_threshold is not None
 
 
 def run(conn: Connection | PgConnection[Any], query: Query[T]) -> T:
-    """Run ``query`` on a blocking connection (SQLAlchemy's or psycopg's)."""
+    """Run ``query`` on a blocking connection (psycopg's, or the driver's under SQLAlchemy's,
+    in its transaction), prepared where the connection allows (:func:`prepares`)."""
     driver = raw(conn)
     with driver.cursor(row_factory=namedtuple_row) as cur:
         cur.execute(query.sql, query.params, prepare=prepares(driver))

@@ -7,9 +7,9 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from psycopg.rows import namedtuple_row
 from sqlalchemy import Connection, TextClause, text
 
+from harvest.execution import sql as statements
 from harvest.jobs import Claimed
 from harvest.store.quarantine import READABLE_FROM
 
@@ -176,21 +176,6 @@ def _psycopg_sql(clause: TextClause) -> str:
 _CLAIMS_SQL = {budgeted: _psycopg_sql(clause) for budgeted, clause in _CLAIMS.items()}
 
 
-def _fetch_raw(conn: Connection, sql: str, params: Mapping[str, Any]) -> list[Any]:
-    """Run a hot statement (psycopg's parameter style) on the driver connection under
-    ``conn`` (the same connection and transaction), prepared server-side: the claim runs
-    hundreds of times a second, and SQLAlchemy's per-statement work was a third of its cost
-    at small batches. Not prepared on a connection that prepares nothing (``prepare_threshold``
-    None: behind a transaction-mode pooler, see :func:`harvest.db.connect_options`)."""
-    if not conn.in_transaction():
-        conn.begin()  # what conn.execute would do (autobegin), so the caller's commit counts
-    raw = conn.connection.driver_connection
-    assert raw is not None
-    with raw.cursor(row_factory=namedtuple_row) as cur:
-        cur.execute(sql, params, prepare=raw.prepare_threshold is not None)
-        return list(cur.fetchall())
-
-
 def aging_share(limit: int) -> int:
     """How many rows of a claim of ``limit`` go to jobs waiting past the starvation threshold:
     10 %, at least one."""
@@ -226,11 +211,10 @@ def claim_due(
     """
     if limit <= 0:
         return []
-    rows = _fetch_raw(
-        conn,
-        _CLAIMS_SQL[bool(budgets)],
-        _claim_params(limit, ttl, budgets, starvation_after, weights),
-    )
+    # On the driver connection under ``conn``, prepared: the claim runs hundreds of times a
+    # second, and SQLAlchemy's per-statement work was a third of its cost at small batches.
+    params = _claim_params(limit, ttl, budgets, starvation_after, weights)
+    rows = statements.run(conn, statements.Query(_CLAIMS_SQL[bool(budgets)], params, list))
     aged = sorted((r for r in rows if r.aged), key=lambda r: (r.run_at, r.id))
     fresh = sorted(
         (r for r in rows if not r.aged), key=lambda r: (r.turn, -r.priority, r.run_at, r.id)
