@@ -57,7 +57,11 @@ def _g(name: str, labels: tuple[str, ...], help_: str) -> Series:
 
 
 SERIES: tuple[Series, ...] = (
-    _g("harvest_jobs", ("queue", "status"), "Jobs in the jobs table by queue and status (depth)."),
+    _g(
+        "harvest_jobs",
+        ("queue", "status"),
+        "Jobs by queue and status (depth; ended ones until retention).",
+    ),
     _g(
         "harvest_jobs_by_name",
         ("name", "status"),

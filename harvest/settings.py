@@ -180,6 +180,15 @@ class Settings(BaseSettings):
     prune_batch_size: int = Field(
         default=1000, ge=1, le=100_000, description="Rows one pruning statement deletes."
     )
+    history_after: float = Field(
+        default=300.0,
+        ge=0,
+        description="Finished jobs move from harvest_jobs to the partitioned history this many "
+        "seconds after they end (by maintenance; a kind whose retention is under a day stays).",
+    )
+    history_batch_size: int = Field(
+        default=5000, ge=1, le=100_000, description="Jobs one move to the history takes."
+    )
 
     # Concurrent execution: async handlers on each process's event loop, thread pools.
     async_concurrency: int = Field(

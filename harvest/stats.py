@@ -59,7 +59,7 @@ def summarize(engine: Engine, ids: Sequence[int], *, since_seconds: float = 8640
 
 # --- jobs by name ---------------------------------------------------------------------------
 
-_BY_NAME = text("SELECT name, status, count(*) AS n FROM harvest_jobs GROUP BY name, status")
+_BY_NAME = text("SELECT name, status, count(*) AS n FROM harvest_jobs_all GROUP BY name, status")
 
 
 def jobs_by_name(engine: Engine) -> list[tuple[str, str, int]]:

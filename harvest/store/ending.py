@@ -6,6 +6,7 @@ from __future__ import annotations
 from sqlalchemy import Connection, TextClause, text
 
 from harvest.models import JobStatus
+from harvest.store import history_rows
 
 _CANCEL = text(
     """
@@ -31,14 +32,23 @@ _RETRY_FAILED = text(
     UPDATE harvest_jobs
     SET status = 'pending', run_at = now(), finished_at = NULL,
         max_attempts = greatest(max_attempts, attempts + 1)
-    WHERE id = :id AND status = 'failed'
+    WHERE id = ANY(:ids) AND status = 'failed'
+    RETURNING id
     """
 )
 
 
+def _retry(conn: Connection, ids: list[int]) -> list[int]:
+    return [int(i) for i in conn.execute(_RETRY_FAILED, {"ids": ids}).scalars()]
+
+
 def retry_failed(conn: Connection, job_id: int) -> bool:
-    """A dead job back to pending with one more attempt allowed; its last error is kept."""
-    return bool(conn.execute(_RETRY_FAILED, {"id": job_id}).rowcount == 1)
+    """A dead job back to pending with one more attempt allowed; its last error is kept. A job
+    already moved to the history (:mod:`harvest.store.history_rows`) moves back first."""
+    if _retry(conn, [job_id]):
+        return True
+    revived = history_rows.revive_dead(conn, ids=[job_id], limit=1)
+    return bool(revived and _retry(conn, revived))
 
 
 _RETRY_FAILED_MANY = text(
@@ -60,9 +70,15 @@ _RETRY_FAILED_MANY = text(
 
 
 def retry_failed_many(conn: Connection, *, name: str | None = None, limit: int = 1000) -> list[int]:
-    """Up to ``limit`` dead jobs (of one name, or all) back to pending, one statement."""
+    """Up to ``limit`` dead jobs (of one name, or all) back to pending: those in the jobs
+    table first, then those in the history (moved back, then retried)."""
     rows = conn.execute(_RETRY_FAILED_MANY, {"name": name, "limit": limit})
-    return [int(i) for i in rows.scalars()]
+    done = [int(i) for i in rows.scalars()]
+    if len(done) < limit:
+        revived = history_rows.revive_dead(conn, name=name, limit=limit - len(done))
+        if revived:
+            done += _retry(conn, revived)
+    return done
 
 
 _DELETE_DEAD = text("DELETE FROM harvest_jobs WHERE id = :id AND status = 'failed'")
@@ -81,13 +97,20 @@ _DELETE_DEAD_MANY = text(
 
 
 def delete_failed(conn: Connection, job_id: int) -> bool:
-    """Delete one dead (failed) job. False when it is not failed (or gone)."""
-    return bool(conn.execute(_DELETE_DEAD, {"id": job_id}).rowcount == 1)
+    """Delete one dead (failed) job, in the jobs table or the history. False when it is not
+    failed (or gone)."""
+    if conn.execute(_DELETE_DEAD, {"id": job_id}).rowcount == 1:
+        return True
+    return history_rows.delete_dead(conn, ids=[job_id], limit=1) == 1
 
 
 def delete_failed_many(conn: Connection, *, name: str | None, limit: int) -> int:
-    """Delete up to ``limit`` dead jobs (of one name, or all), skipping locked rows."""
-    return int(conn.execute(_DELETE_DEAD_MANY, {"name": name, "limit": limit}).rowcount)
+    """Delete up to ``limit`` dead jobs (of one name, or all), skipping locked rows: those in
+    the jobs table first, then those in the history."""
+    n = int(conn.execute(_DELETE_DEAD_MANY, {"name": name, "limit": limit}).rowcount)
+    if n < limit:
+        n += history_rows.delete_dead(conn, name=name, limit=limit - n)
+    return n
 
 
 # --- retention ----------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 
 from harvest.db import get_or_create
 from harvest.models import JobRow
+from harvest.store import history_rows
 
 # --- enqueue --------------------------------------------------------------------------------
 
@@ -90,6 +91,13 @@ def insert_job(session: Session, job: NewJob) -> tuple[int, bool]:
     row, created = get_or_create(
         session, JobRow, lookup={"idempotency_key": job.idempotency_key}, defaults=defaults
     )
+    if created:
+        # The key's job may have moved to the history since the lookup (a move commits in one
+        # statement, and this statement sees it): that job is the answer, not ours.
+        moved = history_rows.keyed(session.connection(), job.idempotency_key)
+        if moved is not None:
+            session.execute(text("DELETE FROM harvest_jobs WHERE id = :id"), {"id": row.id})
+            return moved, False
     return row.id, created
 
 
@@ -181,10 +189,12 @@ def pending_depth(conn: Connection, key: str) -> int:
     return int(conn.execute(statement, {"v": value}).scalar_one())
 
 
+# The jobs table and the history: a job moved since it was enqueued still holds its key.
+_BY_KEY = text("SELECT id FROM harvest_jobs_all WHERE idempotency_key = :k ORDER BY id LIMIT 1")
+
+
 def find_by_idempotency_key(conn: Connection, key: str) -> int | None:
-    value = conn.execute(
-        text("SELECT id FROM harvest_jobs WHERE idempotency_key = :k"), {"k": key}
-    ).scalar_one_or_none()
+    value = conn.execute(_BY_KEY, {"k": key}).scalar_one_or_none()
     return int(value) if value is not None else None
 
 

@@ -29,13 +29,17 @@ def counters(conn: Connection) -> dict[str, int]:
     return {r.name: int(r.value) for r in rows}
 
 
+# Every job: those in the jobs table and those in the history (harvest_jobs_all, a view).
+_BY_STATUS = text("SELECT status, count(*) AS n FROM harvest_jobs_all GROUP BY status")
+
+
 def counts_by_status(conn: Connection, names: Iterable[str] | None = None) -> dict[str, int]:
     if names is None:
-        rows = conn.execute(text("SELECT status, count(*) AS n FROM harvest_jobs GROUP BY status"))
+        rows = conn.execute(_BY_STATUS)
     else:
         rows = conn.execute(
             text(
-                "SELECT status, count(*) AS n FROM harvest_jobs "
+                "SELECT status, count(*) AS n FROM harvest_jobs_all "
                 "WHERE name = ANY(:names) GROUP BY status"
             ),
             {"names": list(names)},
@@ -45,7 +49,7 @@ def counts_by_status(conn: Connection, names: Iterable[str] | None = None) -> di
 
 # --- figures for stats, the demo summary and metrics -----------------------------------------
 
-_DEPTH = text("SELECT queue, status, count(*) AS n FROM harvest_jobs GROUP BY queue, status")
+_DEPTH = text("SELECT queue, status, count(*) AS n FROM harvest_jobs_all GROUP BY queue, status")
 
 
 def depth(conn: Connection) -> list[tuple[str, str, int]]:
@@ -66,7 +70,7 @@ _WINDOW = text(
           ORDER BY extract(epoch FROM finished_at - started_at))
           FILTER (WHERE status = 'succeeded') AS run_p,
       extract(epoch FROM max(finished_at) - min(created_at)) AS span
-    FROM harvest_jobs
+    FROM harvest_jobs_all
     WHERE finished_at >= now() - make_interval(secs => :seconds)
       AND (CAST(:ids AS bigint[]) IS NULL OR id = ANY(CAST(:ids AS bigint[])))
     """
@@ -106,7 +110,7 @@ def window(conn: Connection, *, seconds: float, ids: Sequence[int] | None = None
 def status_counts(conn: Connection, ids: Sequence[int]) -> dict[str, int]:
     """Jobs among ``ids`` by status."""
     rows = conn.execute(
-        text("SELECT status, count(*) FROM harvest_jobs WHERE id = ANY(:ids) GROUP BY status"),
+        text("SELECT status, count(*) FROM harvest_jobs_all WHERE id = ANY(:ids) GROUP BY status"),
         {"ids": list(ids)},
     )
     return {r[0]: int(r[1]) for r in rows}
@@ -124,7 +128,7 @@ _MINUTES = text(
       percentile_cont(ARRAY[0.5, 0.95, 0.99]) WITHIN GROUP (
           ORDER BY extract(epoch FROM finished_at - started_at))
           FILTER (WHERE status = 'succeeded' AND started_at IS NOT NULL) AS run_p
-    FROM harvest_jobs
+    FROM harvest_jobs_all
     WHERE status IN ('succeeded', 'failed', 'cancelled')
       AND finished_at >= date_trunc('minute', now()) - make_interval(mins => :minutes - 1)
     GROUP BY 1

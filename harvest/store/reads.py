@@ -79,7 +79,7 @@ def _jobs(conn: Connection, rows: Iterable[RowMapping]) -> list[Job]:
 
 def get(conn: Connection, job_id: int) -> Job | None:
     rows = conn.execute(
-        text(f"SELECT {_JOB_COLUMNS} FROM harvest_jobs WHERE id = :id"), {"id": job_id}
+        text(f"SELECT {_JOB_COLUMNS} FROM harvest_jobs_all WHERE id = :id"), {"id": job_id}
     ).mappings()
     found = _jobs(conn, rows)
     return found[0] if found else None
@@ -87,7 +87,7 @@ def get(conn: Connection, job_id: int) -> Job | None:
 
 def status_of(conn: Connection, job_id: int) -> JobStatus | None:
     value = conn.execute(
-        text("SELECT status FROM harvest_jobs WHERE id = :id"), {"id": job_id}
+        text("SELECT status FROM harvest_jobs_all WHERE id = :id"), {"id": job_id}
     ).scalar_one_or_none()
     return JobStatus(value) if value is not None else None
 
@@ -156,7 +156,7 @@ def list_jobs_page(
         params["after"] = after
     where = f"WHERE {' AND '.join(clauses)}" if clauses else ""
     order = "ASC" if after is not None else "DESC"
-    sql = f"SELECT {_JOB_COLUMNS} FROM harvest_jobs {where} ORDER BY id {order} LIMIT :limit"
+    sql = f"SELECT {_JOB_COLUMNS} FROM harvest_jobs_all {where} ORDER BY id {order} LIMIT :limit"
     return _jobs(conn, conn.execute(text(sql), params).mappings())
 
 

@@ -445,7 +445,7 @@ class World:
 
     def statuses(self, ids: list[int]) -> dict[str, int]:
         rows = self.sql(
-            "SELECT status, count(*) FROM harvest_jobs WHERE id = ANY(:ids) GROUP BY status",
+            "SELECT status, count(*) FROM harvest_jobs_all WHERE id = ANY(:ids) GROUP BY status",
             ids=ids,
         )
         return {r[0]: int(r[1]) for r in rows}
@@ -463,7 +463,8 @@ class World:
     def succeeded_count(self, ids: list[int]) -> int:
         return int(
             self.scalar(
-                "SELECT count(*) FROM harvest_jobs WHERE id = ANY(:ids) AND status = 'succeeded'",
+                "SELECT count(*) FROM harvest_jobs_all "
+                "WHERE id = ANY(:ids) AND status = 'succeeded'",
                 ids=ids,
             )
         )
@@ -475,7 +476,7 @@ class World:
         )
         lost = int(
             self.scalar(
-                "SELECT count(*) FROM harvest_jobs j WHERE j.id = ANY(:ids) AND "
+                "SELECT count(*) FROM harvest_jobs_all j WHERE j.id = ANY(:ids) AND "
                 "(j.status <> 'succeeded' OR NOT EXISTS "
                 "(SELECT 1 FROM chaos_effects e WHERE e.job_id = j.id))",
                 ids=ids,
@@ -613,7 +614,7 @@ def note_rescues(world: World, victims: list[Victim]) -> None:
     if not waiting:
         return
     rows = world.sql(
-        "SELECT id, status, attempts FROM harvest_jobs WHERE id = ANY(:ids)",
+        "SELECT id, status, attempts FROM harvest_jobs_all WHERE id = ANY(:ids)",
         ids=[v.job_id for v in waiting],
     )
     now = time.monotonic()

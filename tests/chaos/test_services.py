@@ -162,8 +162,8 @@ def _next_success(world: World, ids: list[int], at: float, limit: float = 20.0) 
     deadline = time.monotonic() + limit
     while True:
         value = world.scalar(
-            "SELECT extract(epoch FROM min(finished_at)) FROM harvest_jobs WHERE id = ANY(:ids) "
-            "AND status = 'succeeded' AND finished_at > to_timestamp(:t)",
+            "SELECT extract(epoch FROM min(finished_at)) FROM harvest_jobs_all "
+            "WHERE id = ANY(:ids) AND status = 'succeeded' AND finished_at > to_timestamp(:t)",
             ids=ids,
             t=at,
         )
@@ -176,7 +176,7 @@ def _next_success(world: World, ids: list[int], at: float, limit: float = 20.0) 
 
 def _rate(world: World, ids: list[int], start: float, end: float) -> float:
     n = world.scalar(
-        "SELECT count(*) FROM harvest_jobs WHERE id = ANY(:ids) AND status = 'succeeded' "
+        "SELECT count(*) FROM harvest_jobs_all WHERE id = ANY(:ids) AND status = 'succeeded' "
         "AND finished_at >= to_timestamp(:a) AND finished_at < to_timestamp(:b)",
         ids=ids,
         a=start,

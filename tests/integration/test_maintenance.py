@@ -53,10 +53,11 @@ def add_jobs(engine: Engine, n: int, status: str, age: float, name: str = "echo"
 
 
 def remaining(engine: Engine, ids: list[int]) -> int:
+    """How many of ``ids`` are kept: in the jobs table or moved to the history."""
     with engine.connect() as conn:
         return int(
             conn.execute(
-                text("SELECT count(*) FROM harvest_jobs WHERE id = ANY(:ids)"), {"ids": ids}
+                text("SELECT count(*) FROM harvest_jobs_all WHERE id = ANY(:ids)"), {"ids": ids}
             ).scalar_one()
         )
 
@@ -98,6 +99,7 @@ def test_prune_follows_the_retention_of_each_kind(app: Harvest, clean_db: Engine
         )
     report = maintenance.run(app)
     assert (report.finished, report.dead, report.batches, report.fires) == (35, 9, 1, 10)
+    assert report.moved == 10 + 8  # kept, and ended more than HARVEST_HISTORY_AFTER ago
     assert not report.skipped
     assert remaining(clean_db, old_ok + old_cancelled + very_dead) == 0
     assert remaining(clean_db, recent_ok) == 10

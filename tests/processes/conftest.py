@@ -163,10 +163,13 @@ def pg_count(settings: Settings, sql: str) -> int:
 
 
 def statuses(engine: Engine, ids: list[int]) -> dict[str, int]:
-    """How many of the jobs ``ids`` are in each status: ``{"succeeded": 3, ...}``."""
+    """How many of the jobs ``ids`` are in each status: ``{"succeeded": 3, ...}`` (wherever they
+    are: the jobs table or the history)."""
     with engine.connect() as conn:
         rows = conn.execute(
-            text("SELECT status, count(*) FROM harvest_jobs WHERE id = ANY(:ids) GROUP BY status"),
+            text(
+                "SELECT status, count(*) FROM harvest_jobs_all WHERE id = ANY(:ids) GROUP BY status"
+            ),
             {"ids": ids},
         ).all()
     return {r[0]: r[1] for r in rows}

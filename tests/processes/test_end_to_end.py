@@ -8,6 +8,8 @@ number of harvest processes; that run also fails if any log says the pooler brok
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -185,3 +187,49 @@ def test_every_second_schedule_fires_exactly_once_per_fire_time(
     times = [r.run_at for r in runs]
     assert {(b - a).total_seconds() for a, b in itertools.pairwise(times)} == {1.0}, times
     assert stopped.last_fired_at == times[-1]
+
+
+def test_ended_jobs_move_to_the_history_while_workers_run_and_read_back(
+    cluster: Cluster, client_app: Harvest, effects: Engine
+) -> None:
+    """Maintenance on beat moves each ended job into the day partitions (made on the way, and
+    through PgBouncer in its run); the API and `harvest jobs show` read it back from there,
+    attempts included, and a dead job retried from there runs again."""
+    cluster.env.update({"HARVEST_HISTORY_AFTER": "0", "HARVEST_MAINTENANCE_INTERVAL": "1"})
+    cluster.up()
+    ids = client_app.enqueue_many("echo", [{"value": i} for i in range(200)])
+    dead = client_app.enqueue("always_fails", {"message": "nope"}).id
+
+    def in_history(attempts: int) -> bool:
+        with effects.connect() as conn:
+            moved = conn.execute(
+                text(
+                    "SELECT count(*) FROM harvest_job_history "
+                    "WHERE id = ANY(:ids) OR (id = :dead AND attempts = :n)"
+                ),
+                {"ids": ids, "dead": dead, "n": attempts},
+            ).scalar_one()
+        return bool(moved == len(ids) + 1)
+
+    wait_until(lambda: in_history(3), 120, 0.5, "every job in the history")
+    with effects.connect() as conn:
+        left = conn.execute(
+            text("SELECT count(*) FROM harvest_jobs WHERE id = ANY(:ids) OR id = :dead"),
+            {"ids": ids, "dead": dead},
+        ).scalar_one()
+    assert left == 0
+    assert client_app.get(ids[7]).result == {"value": 7, "job_id": ids[7], "attempt": 1}
+    shown = subprocess.run(
+        [sys.executable, "-m", "harvest.cli", "jobs", "show", str(dead)],
+        env={**cluster.env, "COLUMNS": "200"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    assert "failed" in shown and "nope (attempt 3)" in shown
+    assert shown.count("retry") == 2  # the two attempts before the last, from attempt_log
+
+    client_app.retry(dead)  # back from the history, one more attempt allowed
+    wait_until(lambda: in_history(4), 120, 0.5, "the retried job dead again, in the history")
+    assert client_app.get(dead).last_error is not None
