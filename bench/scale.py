@@ -23,13 +23,26 @@ hold them for up to 10 s). A CHECKPOINT runs before each phase, so every phase p
 full-page images of the pages it touches first: the WAL figures are on the high side of a
 steady state.
 
-Part 2, a large finished history. Claim latency (one batch of 100, ``store.claim_due`` as the
-dispatcher calls it, rolled back so every claim sees the same 10,000 pending rows) on an empty
-history and with H finished jobs (one ``INSERT ... SELECT generate_series``, ``finished_at``
-spread over 10 days): two databases, claimed from in turn, rep by rep. Then today's retention
-(``harvest.maintenance.prune``: batched DELETEs) of the oldest day's rows, timed, with the dead
-tuples it leaves (``n_dead_tup``) and the VACUUM that pays them. This is the baseline a
-partitioned history (issue 16 item 2, not built) would replace with a partition drop.
+Part 2, a large finished history (issue 16, item 2: the partitioned history of migration 0013).
+
+1. Claim latency (one batch of 100, ``store.claim_due`` as the dispatcher calls it, rolled back so
+   every claim sees the same 10,000 pending rows in ``harvest_jobs``) with an empty history and
+   with H succeeded jobs in ``harvest_job_history``: its day partitions made first
+   (``history_rows.make_partition``, one per UTC day of HISTORY_DAYS whole days), then one
+   ``INSERT ... SELECT generate_series`` into the parent, which routes the rows. Two databases,
+   claimed from in turn, rep by rep.
+2. Retention with the partitioned history: ``harvest.maintenance.prune`` with a retention past
+   which exactly the oldest day has ended. Timed, with the rows that day held, the partitions
+   dropped and the dead tuples left on the history's partitions (none expected).
+3. Baseline, the old design, in a third database: as many finished jobs as a day partition
+   held (with an attempt row each) in ``harvest_jobs``, deleted by ``prune``'s batched DELETEs
+   (the move leaves them: they are past retention). Timed, with the dead tuples it
+   leaves and the VACUUM that pays them.
+4. The move: a day's worth of finished jobs (with an attempt row each), ended in the last
+   hour, moved from ``harvest_jobs`` into the history by ``maintenance.move_history``: jobs/s,
+   and WAL bytes per job from a CHECKPOINT on. Autovacuum is off on the tables involved, so the
+   WAL and the dead tuples are the move's own; the VACUUM of what it leaves in ``harvest_jobs``
+   is timed after it.
 """
 
 from __future__ import annotations
@@ -43,6 +56,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -63,11 +77,39 @@ CLAIM_BATCH = 100
 SETTLE = 1.0  # after the processes of a phase exited, before the counters are read
 SAMPLE_EVERY = 0.05
 
-FINISHED_SQL = """
-INSERT INTO harvest_jobs (name, status, attempts, run_at, started_at, finished_at, created_at)
-SELECT 'bench.noop', 'succeeded', 1, t, t, t, t
-FROM (SELECT now() - make_interval(days => %(days)s) * (1 - i::float8 / %(n)s) AS t
-      FROM generate_series(1, %(n)s) AS i) AS s
+JOB_TABLES = ("harvest_jobs", "harvest_job_attempts")
+
+# t spreads n rows evenly over [start, start + span seconds), in id order.
+_SPREAD = """
+    FROM (SELECT %(start)s::timestamptz
+                 + make_interval(secs => (i - 0.5)::float8 * %(span)s::float8 / %(n)s::float8) AS t
+          FROM generate_series(1, %(n)s) AS i) AS s
+"""
+# Succeeded jobs in the history as a move leaves them (ids from harvest_jobs's identity).
+HISTORY_SQL = (
+    """
+INSERT INTO harvest_job_history (id, name, status, attempts, run_at, created_at, dispatched_at,
+                                 started_at, finished_at, worker, attempt_log, moved_at)
+SELECT nextval(pg_get_serial_sequence('harvest_jobs', 'id')), 'bench.noop', 'succeeded', 1,
+       t, t, t, t, t, 'bench@scale',
+       jsonb_build_array(jsonb_build_object('attempt', 1, 'worker', 'bench@scale',
+           'started_at', t, 'ended_at', t, 'outcome', 'succeeded', 'error', NULL)),
+       t + interval '5 minutes'
+"""
+    + _SPREAD
+)
+FINISHED_SQL = (
+    """
+INSERT INTO harvest_jobs (name, status, attempts, run_at, created_at, dispatched_at, started_at,
+                          finished_at, worker)
+SELECT 'bench.noop', 'succeeded', 1, t, t, t, t, t, 'bench@scale'
+"""
+    + _SPREAD
+)
+ATTEMPTS_SQL = """
+INSERT INTO harvest_job_attempts (job_id, attempt, worker, started_at, ended_at, outcome)
+SELECT id, 1, worker, started_at, finished_at, 'succeeded' FROM harvest_jobs
+WHERE status = 'succeeded'
 """
 PENDING_SQL = "INSERT INTO harvest_jobs (name) SELECT 'bench.noop' FROM generate_series(1, %s)"
 
@@ -479,7 +521,7 @@ def costs(ctx: Ctx, servers: Servers) -> list[Phase]:
     return phases
 
 
-# --- part 2: claim and retention with a large history -------------------------------------------
+# --- part 2: claim, retention and the move with a large history ---------------------------------
 
 
 @dataclass
@@ -487,21 +529,35 @@ class History:
     size: int
     days: int = HISTORY_DAYS
     fill_seconds: float = 0.0
-    table_bytes: int = 0
+    table_bytes: int = 0  # the history's day partitions, with their indexes
+    partitions: int = 0
     claims_empty: list[list[float]] = field(default_factory=list)  # per rep, ms
     claims_full: list[list[float]] = field(default_factory=list)
-    claims_after_delete: list[float] = field(default_factory=list)
-    retention_rows: int = 0
-    retention_seconds: float = 0.0
-    retention_statements: int = 0
-    dead_tuples: int = 0  # left by the retention's DELETEs
-    dead_tuples_total: int = 0  # on the table after it (the rolled-back claims leave some too)
-    vacuum_seconds: float = 0.0
+    claims_after_drop: list[float] = field(default_factory=list)
+    # retention with the partitioned history: maintenance.prune drops the oldest day
+    drop_rows: int = 0  # rows of the dropped partition
+    drop_seconds: float = 0.0
+    dropped: int = 0  # PruneReport.dropped
+    drop_dead: int = 0  # dead tuples on the history's partitions after it
+    drop_vacuum_seconds: float = 0.0  # a VACUUM of the history after it (nothing to do)
+    # baseline, the old design: the same day of finished rows in harvest_jobs, batched DELETEs
+    base_rows: int = 0
+    base_seconds: float = 0.0
+    base_statements: int = 0
+    base_dead: dict[str, int] = field(default_factory=dict)  # table: dead tuples left
+    base_vacuum_seconds: float = 0.0
+    # the move of a day's finished jobs from harvest_jobs into the history
+    move_rows: int = 0
+    move_seconds: float = 0.0
+    move_wal: int = 0  # bytes
+    move_dead: dict[str, int] = field(default_factory=dict)
+    move_vacuum_seconds: float = 0.0
+    move_vacuum_wal: int = 0
 
 
 class _Claimer:
-    """Claims of one batch on one database, as the dispatcher runs them, each rolled back so
-    that every claim sees the same pending rows."""
+    """A database of its own (migrated) and claims of one batch on it, as the dispatcher runs
+    them, each rolled back so that every claim sees the same pending rows."""
 
     def __init__(self, servers: Servers, ctx: Ctx, tag: str) -> None:
         from harvest.db import make_engine
@@ -514,92 +570,286 @@ class _Claimer:
         self.engine = make_engine(self.settings, pool_size=1)
         ctx.later(self.engine.dispose)
 
+    def claim(self, sa_conn: Any) -> float:
+        """One claim of CLAIM_BATCH on ``sa_conn``, rolled back: its time in ms."""
+        tx = sa_conn.begin()
+        started = time.perf_counter()
+        got = dispatch_claim(sa_conn, self.settings, CLAIM_BATCH)
+        elapsed = (time.perf_counter() - started) * 1000
+        tx.rollback()
+        if len(got) != CLAIM_BATCH:
+            raise RuntimeError(f"claimed {len(got)} rows, expected {CLAIM_BATCH}")
+        return elapsed
+
     def measure(self, count: int) -> list[float]:
-        times = []
         with self.engine.connect() as sa_conn:
-            for _ in range(count):
-                tx = sa_conn.begin()
-                started = time.perf_counter()
-                got = dispatch_claim(sa_conn, self.settings, CLAIM_BATCH)
-                times.append((time.perf_counter() - started) * 1000)
-                tx.rollback()
-                if len(got) != CLAIM_BATCH:
-                    raise RuntimeError(f"claimed {len(got)} rows, expected {CLAIM_BATCH}")
-        return times
+            return [self.claim(sa_conn) for _ in range(count)]
+
+
+def _interleaved(a: _Claimer, b: _Claimer, count: int) -> tuple[list[float], list[float]]:
+    """``count`` claims on each of two databases, in turn (a b, b a, a b, ...): a change in the
+    machine's load, and the order within a pair, weigh on both alike."""
+    times: tuple[list[float], list[float]] = ([], [])
+    with a.engine.connect() as conn_a, b.engine.connect() as conn_b:
+        pair = ((a, conn_a, times[0]), (b, conn_b, times[1]))
+        for i in range(count):
+            for claimer, conn, out in pair if i % 2 == 0 else pair[::-1]:
+                out.append(claimer.claim(conn))
+    return times
 
 
 def history(ctx: Ctx, servers: Servers) -> History:
-    from harvest import Harvest
-    from harvest.maintenance import prune
-
     size = ctx.cfg.scale_history or (HISTORY_QUICK if ctx.cfg.quick else HISTORY_FULL)
+    out = History(max(size, HISTORY_DAYS))
     claims = 50 if ctx.cfg.quick else 200
-    out = History(size)
     # Two databases, the same 10,000 pending rows in each, the history in one: their claims
-    # alternate rep by rep, so a change in the machine's load weighs on both alike.
+    # alternate rep by rep, so a change in the machine's load weighs on both alike. A third
+    # holds the baseline (the old design: a day of finished rows in harvest_jobs).
     empty, full = _Claimer(servers, ctx, "empty"), _Claimer(servers, ctx, "history")
+    base: _Claimer | None = None
     conn = psycopg.connect(full.url, autocommit=True)
     try:
+        start = _first_day(conn, out.days)
+        _fill_history(ctx, out, full, conn, start)
         with psycopg.connect(empty.url, autocommit=True) as other:
             other.execute(PENDING_SQL, (PENDING,))
             other.execute("VACUUM ANALYZE harvest_jobs")
-        conn.execute(PENDING_SQL, (PENDING,))
-        ctx.step(f"scale: filling {size:,} finished jobs (one INSERT ... SELECT)")
-        started = time.monotonic()
-        conn.execute(FINISHED_SQL, {"n": size, "days": out.days})
-        out.fill_seconds = time.monotonic() - started
-        ctx.step("scale: VACUUM ANALYZE of the history (as autovacuum would)")
-        conn.execute("VACUUM ANALYZE harvest_jobs")
-        row = conn.execute("SELECT pg_total_relation_size('harvest_jobs')").fetchone()
-        out.table_bytes = int(row[0]) if row else 0
-        ctx.step("scale: history filled", 1)
-
-        empty.measure(10)  # warm
-        full.measure(10)
-        for rep in range(ctx.cfg.reps):
-            ctx.step(f"scale: claims, empty history and {size:,} finished, rep {rep + 1}")
-            out.claims_empty.append(empty.measure(claims))
-            out.claims_full.append(full.measure(claims))
-        ctx.step("scale: claims measured", 1)
-
-        # today's retention: the oldest day is past a retention of (days - 1) days
-        ctx.step("scale: retention of one day (harvest.maintenance.prune: batched DELETEs)")
-        retention = (out.days - 1) * 86_400.0
-        app = Harvest(full.settings.model_copy(update={"retention_seconds": retention}))
-        full.engine.dispose()  # the claims' backend exits: its counters are flushed
-        time.sleep(SETTLE)
-        dead_before = _dead_tuples(conn)
-        try:
-            started = time.monotonic()
-            report = prune(app, max_seconds=3600.0)
-            out.retention_seconds = time.monotonic() - started
-        finally:
-            app.close()
-        out.retention_rows = report.finished
-        out.retention_statements = -(-report.finished // full.settings.prune_batch_size)
-        time.sleep(SETTLE)  # the deleting backend exited: its counters are flushed
-        out.dead_tuples_total = _dead_tuples(conn)
-        out.dead_tuples = out.dead_tuples_total - dead_before
-        ctx.step("scale: claims right after the retention (before any vacuum)")
-        out.claims_after_delete = full.measure(claims)
-        started = time.monotonic()
-        conn.execute("VACUUM harvest_jobs")
-        out.vacuum_seconds = time.monotonic() - started
+        _claims(ctx, out, empty, full, claims)
+        _partitioned_retention(ctx, out, full, conn, start)
+        ctx.step("scale: claims right after the partition drop")
+        out.claims_after_drop = full.measure(claims)
         ctx.step("scale: retention measured", 1)
+        base = _Claimer(servers, ctx, "baseline")
+        _delete_baseline(ctx, out, base, start)
+        _move(ctx, out, full, conn)
     finally:
         conn.close()
         if servers.private:  # on the shared server, ctx drops its databases
-            empty.engine.dispose()
-            full.engine.dispose()
             with psycopg.connect(servers.admin_url, autocommit=True) as admin:
-                for db in (empty.name, full.name):
-                    admin.execute(f'DROP DATABASE IF EXISTS "{db}" WITH (FORCE)')
+                for claimer in (empty, full, base):
+                    if claimer is not None:
+                        claimer.engine.dispose()
+                        admin.execute(f'DROP DATABASE IF EXISTS "{claimer.name}" WITH (FORCE)')
     return out
 
 
-def _dead_tuples(conn: psycopg.Connection[Any]) -> int:
+def _first_day(conn: psycopg.Connection[Any], days: int) -> datetime:
+    """The UTC midnight ``days`` days before today's: the history covers whole days from it
+    to today's midnight, so that each day partition holds the same number of rows."""
     row = conn.execute(
-        "SELECT n_dead_tup FROM pg_stat_user_tables WHERE relname = 'harvest_jobs'"
+        "SELECT date_trunc('day', now(), 'UTC') - make_interval(days => %s)", (days,)
+    ).fetchone()
+    assert row is not None
+    day: datetime = row[0]
+    return day.astimezone(UTC)
+
+
+def _fill_history(
+    ctx: Ctx, out: History, full: _Claimer, conn: psycopg.Connection[Any], start: datetime
+) -> None:
+    from harvest.store import history_rows
+
+    ctx.step(f"scale: {out.days} day partitions of the history, then {out.size:,} jobs into it")
+    for day in range(out.days):
+        with full.engine.begin() as sa_conn:
+            history_rows.make_partition(sa_conn, "done", start + timedelta(days=day))
+    started = time.monotonic()
+    conn.execute(HISTORY_SQL, {"start": start, "span": out.days * 86_400.0, "n": out.size})
+    out.fill_seconds = time.monotonic() - started
+    conn.execute(PENDING_SQL, (PENDING,))  # after the history: newer ids, as in production
+    ctx.step("scale: VACUUM ANALYZE (as autovacuum would)")
+    conn.execute("VACUUM ANALYZE harvest_jobs")
+    conn.execute("VACUUM ANALYZE harvest_job_history")
+    row = conn.execute(
+        "SELECT count(*), coalesce(sum(pg_total_relation_size(relid)), 0)"
+        " FROM pg_partition_tree('harvest_job_history') WHERE isleaf"
+    ).fetchone()
+    assert row is not None
+    out.partitions, out.table_bytes = int(row[0]), int(row[1])
+    ctx.step("scale: history filled", 1)
+
+
+def _claims(ctx: Ctx, out: History, empty: _Claimer, full: _Claimer, claims: int) -> None:
+    _interleaved(empty, full, 10)  # warm
+    for rep in range(ctx.cfg.reps):
+        ctx.step(f"scale: claims, empty history and {out.size:,} in it, rep {rep + 1}")
+        times_empty, times_full = _interleaved(empty, full, claims)
+        out.claims_empty.append(times_empty)
+        out.claims_full.append(times_full)
+    ctx.step("scale: claims measured", 1)
+
+
+def _oldest_day_retention(conn: psycopg.Connection[Any], start: datetime) -> float:
+    """A retention (seconds) past which exactly the oldest day (``start``) has ended: its end
+    is an hour before the horizon, the next day's end is 23 hours after it."""
+    row = conn.execute("SELECT extract(epoch FROM now() - %s)", (start,)).fetchone()
+    assert row is not None
+    return float(row[0]) - 86_400.0 - 3_600.0
+
+
+def _partitioned_retention(
+    ctx: Ctx, out: History, full: _Claimer, conn: psycopg.Connection[Any], start: datetime
+) -> None:
+    from harvest import Harvest
+    from harvest.maintenance import prune
+    from harvest.store import history_rows
+
+    ctx.step("scale: retention of one day (harvest.maintenance.prune: a partition drop)")
+    oldest = history_rows.partition_name("done", start)
+    row = conn.execute(f"SELECT count(*) FROM {oldest}").fetchone()
+    out.drop_rows = int(row[0]) if row else 0
+    full.engine.dispose()  # the claims' backend exits: its counters are flushed
+    retention = _oldest_day_retention(conn, start)
+    app = Harvest(full.settings.model_copy(update={"retention_seconds": retention}))
+    try:
+        started = time.monotonic()
+        report = prune(app, max_seconds=3600.0)
+        out.drop_seconds = time.monotonic() - started
+    finally:
+        app.close()
+    out.dropped = report.dropped
+    gone = conn.execute("SELECT to_regclass(%s)", (oldest,)).fetchone()
+    if report.dropped != 1 or (gone and gone[0] is not None) or report.total:
+        raise RuntimeError(f"scale: retention dropped {report.dropped} partitions, not {oldest}")
+    time.sleep(SETTLE)  # the pruning backend exited: its counters are flushed
+    out.drop_dead = _history_dead(conn)
+    started = time.monotonic()
+    conn.execute("VACUUM harvest_job_history")
+    out.drop_vacuum_seconds = time.monotonic() - started
+
+
+def _delete_baseline(ctx: Ctx, out: History, base: _Claimer, start: datetime) -> None:
+    """The old design, in a database of its own: the oldest day's finished jobs (as many as a
+    day partition held, each with its attempt row) live in harvest_jobs, with the 10,000
+    pending ones, and retention deletes them in batches."""
+    from harvest import Harvest
+    from harvest.maintenance import prune
+
+    day = out.size // out.days
+    ctx.step(f"scale: baseline: {day:,} finished jobs of one day in harvest_jobs")
+    with psycopg.connect(base.url, autocommit=True) as conn:
+        conn.execute(FINISHED_SQL, {"start": start, "span": 86_400.0, "n": day})
+        conn.execute(ATTEMPTS_SQL)
+        conn.execute(PENDING_SQL, (PENDING,))
+        conn.execute("VACUUM ANALYZE harvest_jobs")
+        conn.execute("VACUUM ANALYZE harvest_job_attempts")
+        _autovacuum_off(conn, JOB_TABLES)  # the dead tuples read are the DELETEs' own
+        time.sleep(SETTLE)
+        dead = _dead_tuples(conn, JOB_TABLES)
+        ctx.step("scale: baseline: retention of one day (maintenance.prune: batched DELETEs)")
+        retention = _oldest_day_retention(conn, start)
+        app = Harvest(base.settings.model_copy(update={"retention_seconds": retention}))
+        try:
+            started = time.monotonic()
+            report = prune(app, max_seconds=3600.0)
+            out.base_seconds = time.monotonic() - started
+        finally:
+            app.close()
+        out.base_rows = report.finished
+        if report.finished != day or report.moved:
+            raise RuntimeError(f"scale: baseline deleted {report.finished} of {day} rows")
+        out.base_statements = -(-report.finished // base.settings.prune_batch_size)
+        time.sleep(SETTLE)  # the deleting backend exited: its counters are flushed
+        out.base_dead = _dead_tuples(conn, JOB_TABLES, since=dead)
+        started = time.monotonic()
+        conn.execute(f"VACUUM {', '.join(JOB_TABLES)}")
+        out.base_vacuum_seconds = time.monotonic() - started
+    ctx.step("scale: baseline measured", 1)
+
+
+def _move(ctx: Ctx, out: History, full: _Claimer, conn: psycopg.Connection[Any]) -> None:
+    """A day's worth of finished jobs (each with its attempt row), ended in the last hour,
+    moved from harvest_jobs into the history by ``maintenance.move_history`` as maintenance
+    runs it: its time, and its WAL from a CHECKPOINT on (full-page images included, as in
+    part 1). Autovacuum is off on the tables involved, so the WAL and the dead tuples are the
+    move's own; the VACUUM that then pays harvest_jobs's dead tuples is measured after it."""
+    from harvest import Harvest
+    from harvest.maintenance import move_history
+    from harvest.store import history_rows
+
+    n = out.size // out.days
+    ctx.step(f"scale: move: {n:,} finished jobs into harvest_jobs")
+    full.engine.dispose()  # the claims' backend exits: its counters are flushed before the VACUUM
+    time.sleep(SETTLE)
+    row = conn.execute("SELECT now() - interval '70 minutes'").fetchone()
+    assert row is not None
+    conn.execute(FINISHED_SQL, {"start": row[0], "span": 3600.0, "n": n})  # ended 70-10 min ago
+    conn.execute(ATTEMPTS_SQL)
+    conn.execute("VACUUM ANALYZE harvest_jobs")
+    conn.execute("VACUUM ANALYZE harvest_job_attempts")
+    # The day partitions the move fills, made now (maintenance would make them in the move)
+    # so that autovacuum can be turned off on them too.
+    days = conn.execute(
+        "SELECT DISTINCT date_trunc('day', finished_at, 'UTC') FROM harvest_jobs"
+        " WHERE status = 'succeeded'"
+    ).fetchall()
+    for (day,) in days:
+        with full.engine.begin() as sa_conn:
+            if not history_rows.has_partition(sa_conn, "done", day.astimezone(UTC)):
+                history_rows.make_partition(sa_conn, "done", day.astimezone(UTC))
+    leaves = [
+        str(r[0])
+        for r in conn.execute(
+            "SELECT relid::regclass::text FROM pg_partition_tree('harvest_job_history')"
+            " WHERE isleaf"
+        )
+    ]
+    _autovacuum_off(conn, (*JOB_TABLES, *leaves))
+    full.engine.dispose()
+    time.sleep(SETTLE)
+    dead = _dead_tuples(conn, JOB_TABLES)
+    retention = 30 * 86_400.0  # every row of the move is well within it
+    app = Harvest(full.settings.model_copy(update={"retention_seconds": retention}))
+    try:
+        ctx.step(f"scale: move of {n:,} jobs into the history (maintenance.move_history)")
+        conn.execute("CHECKPOINT")
+        wal = _wal(conn)
+        started = time.monotonic()
+        moved = move_history(app, "done", retention, time.monotonic() + 3600.0)
+        out.move_seconds = time.monotonic() - started
+        out.move_wal = _wal(conn) - wal
+    finally:
+        app.close()
+    out.move_rows = moved
+    if moved != n:
+        raise RuntimeError(f"scale: moved {moved} of {n} finished jobs")
+    time.sleep(SETTLE)  # the moving backend exited: its counters are flushed
+    out.move_dead = _dead_tuples(conn, JOB_TABLES, since=dead)
+    wal = _wal(conn)
+    started = time.monotonic()
+    conn.execute(f"VACUUM {', '.join(JOB_TABLES)}")
+    out.move_vacuum_seconds = time.monotonic() - started
+    out.move_vacuum_wal = _wal(conn) - wal
+    ctx.step("scale: move measured", 1)
+
+
+def _autovacuum_off(conn: psycopg.Connection[Any], tables: tuple[str, ...]) -> None:
+    for table in tables:
+        conn.execute(f"ALTER TABLE {table} SET (autovacuum_enabled = off)")
+
+
+def _wal(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute("SELECT pg_current_wal_lsn()::text").fetchone()
+    assert row is not None
+    return _lsn(str(row[0]))
+
+
+def _dead_tuples(
+    conn: psycopg.Connection[Any], tables: tuple[str, ...], since: dict[str, int] | None = None
+) -> dict[str, int]:
+    """n_dead_tup of each of ``tables`` (less its value in ``since``)."""
+    rows = conn.execute(
+        "SELECT relname, n_dead_tup FROM pg_stat_user_tables WHERE relname = ANY(%s)",
+        (list(tables),),
+    ).fetchall()
+    was = since or {}
+    return {str(r[0]): int(r[1]) - was.get(str(r[0]), 0) for r in rows}
+
+
+def _history_dead(conn: psycopg.Connection[Any]) -> int:
+    row = conn.execute(
+        "SELECT coalesce(sum(s.n_dead_tup), 0) FROM pg_partition_tree('harvest_job_history') AS p"
+        " JOIN pg_stat_user_tables AS s ON s.relid = p.relid WHERE p.isleaf"
     ).fetchone()
     return int(row[0]) if row else -1
 
@@ -642,11 +892,14 @@ def _history_rows(h: History) -> list[Row]:
                 note=f"{PENDING:,} pending; median of each rep's p50")  # fmt: skip
     full = Row(
         "scale",
-        f"claim b=100, {label} finished",
+        f"claim b=100, {label} in the history",
         "ms",
         higher_is_better=False,
         comparisons=[Comparison(base, Target("ratio_max", 1.2, "≤ 1.2x (issue 16)"), "vs empty")],
-        note=f"finished_at over {h.days} days; table {h.table_bytes / 2**30:.2f} GiB",
+        note=(
+            f"harvest_job_history, {h.partitions} day partitions "
+            f"({h.table_bytes / 2**30:.2f} GiB); {PENDING:,} pending in harvest_jobs"
+        ),
     )
     for row, runs in ((empty, h.claims_empty), (full, h.claims_full)):
         row.values = [round(statistics.median(r), 3) for r in runs]
@@ -654,50 +907,102 @@ def _history_rows(h: History) -> list[Row]:
         row.extra["p95_ms"] = [round(percentile(r, 95), 3) for r in runs]
     full.extra["fill_seconds"] = round(h.fill_seconds, 1)
     full.extra["table_bytes"] = h.table_bytes
+    full.extra["partitions"] = h.partitions
     after = Row(
         "scale",
         "claim b=100, right after retention",
         "ms",
-        values=[round(statistics.median(h.claims_after_delete), 3)],
+        values=[round(statistics.median(h.claims_after_drop), 3)] if h.claims_after_drop else [],
         higher_is_better=False,
         comparisons=[Comparison(base, None, "vs empty")],
-        note=f"{h.dead_tuples:,} dead tuples, before vacuum",
-        extra={"p95_ms": [round(percentile(h.claims_after_delete, 95), 3)]},
+        note="after the partition drop",
+        extra={"p95_ms": [round(percentile(h.claims_after_drop, 95), 3)]}
+        if h.claims_after_drop
+        else {},
     )
     retention = Row(
         "scale",
-        "retention of one day (DELETE)",
+        "retention of one day (partition drop)",
         "s",
-        values=[round(h.retention_seconds, 2)],
+        values=[round(h.drop_seconds, 3)],
         higher_is_better=False,
-        target=Target("value_max", 1.0, "< 1 s (issue 16: partition drop)"),
+        target=Target("value_max", 1.0, "< 1 s (issue 16)"),
         note=(
-            f"{h.retention_rows:,} rows in {h.retention_statements:,} statements of "
-            f"maintenance.prune; a partition drop is not built (issue 16 item 2)"
+            f"maintenance.prune: {h.dropped} partition of {h.drop_rows:,} rows dropped; "
+            f"baseline below"
         ),
-        extra={"rows": h.retention_rows},
+        extra={"rows": h.drop_rows, "partitions_dropped": h.dropped},
     )
     dead = Row(
         "scale",
-        "dead tuples after retention",
+        "dead tuples after retention (history)",
         "rows",
-        values=[float(h.dead_tuples)],
+        values=[float(h.drop_dead)],
         higher_is_better=False,
         target=Target("value_max", 0.0, "0 (no vacuum debt)"),
         note=(
-            f"left by the DELETEs ({h.dead_tuples_total:,} on the table with the rolled-back"
-            f" claims'); the VACUUM that pays them took {h.vacuum_seconds:.1f} s"
+            f"n_dead_tup over the history's partitions; a VACUUM after it: "
+            f"{h.drop_vacuum_seconds:.2f} s"
+        ),
+        extra={"vacuum_seconds": round(h.drop_vacuum_seconds, 3)},
+    )
+    base_dead = h.base_dead.get("harvest_jobs", -1)
+    baseline = Row(
+        "scale",
+        "baseline: retention of one day (DELETE)",
+        "s",
+        values=[round(h.base_seconds, 2)],
+        higher_is_better=False,
+        note=(
+            f"old design: {h.base_rows:,} rows of harvest_jobs in {h.base_statements:,} "
+            f"statements of maintenance.prune"
+        ),
+        extra={"rows": h.base_rows, "statements": h.base_statements},
+    )
+    baseline_dead = Row(
+        "scale",
+        "baseline: dead tuples after DELETE",
+        "rows",
+        values=[float(base_dead)],
+        higher_is_better=False,
+        note=(
+            f"harvest_jobs ({h.base_dead.get('harvest_job_attempts', -1):,} more in "
+            f"harvest_job_attempts); the VACUUM that pays them: {h.base_vacuum_seconds:.1f} s"
+        ),
+        extra={"dead_tuples": h.base_dead, "vacuum_seconds": round(h.base_vacuum_seconds, 2)},
+    )
+    per_job = max(1, h.move_rows)
+    move_rate = Row(
+        "scale",
+        "move to the history",
+        "jobs/s",
+        values=[round(h.move_rows / h.move_seconds, 1)] if h.move_seconds else [],
+        note=f"maintenance.move_history of {h.move_rows:,} jobs in {h.move_seconds:.1f} s",
+        extra={"rows": h.move_rows, "seconds": round(h.move_seconds, 2)},
+    )
+    move_wal = Row(
+        "scale",
+        "move to the history, WAL",
+        "B/job",
+        values=[round(h.move_wal / per_job, 1)],
+        higher_is_better=False,
+        note=(
+            f"from a CHECKPOINT; leaves {h.move_dead.get('harvest_jobs', -1):,} dead tuples in "
+            f"harvest_jobs (+{h.move_dead.get('harvest_job_attempts', -1):,} attempts): VACUUM "
+            f"{h.move_vacuum_seconds:.1f} s, {h.move_vacuum_wal / per_job:.0f} B/job of WAL"
         ),
         extra={
-            "vacuum_seconds": round(h.vacuum_seconds, 2),
-            "dead_tuples_total": h.dead_tuples_total,
+            "wal_bytes": h.move_wal,
+            "dead_tuples": h.move_dead,
+            "vacuum_seconds": round(h.move_vacuum_seconds, 2),
+            "vacuum_wal_bytes": h.move_vacuum_wal,
         },
     )
-    return [empty, full, after, retention, dead]
+    return [empty, full, after, retention, dead, baseline, baseline_dead, move_rate, move_wal]
 
 
 def run(ctx: Ctx) -> list[Row]:
-    ctx.plan(5 + 3)
+    ctx.plan(5 + 5)
     rows: list[Row] = []
     with private_servers(ctx) as servers:
         ctx.step("scale: servers ready")

@@ -25,6 +25,7 @@ class KillRun:
     kills: dict[str, int] = field(default_factory=lambda: {"child": 0, "main": 0})
     victims: list[Victim] = field(default_factory=list)
     under_fire: float = 0.0
+    restarted: int = 0  # workers that exited on their own and were started again
 
 
 def kill_under_load(
@@ -46,6 +47,12 @@ def kill_under_load(
         note_rescues(world, run.victims)
         if len(ids) - world.succeeded_count(ids) < 50:
             break
+        # A supervisor's part: a worker whose child was killed while its pool was still
+        # starting exits ("Could not start worker processes"); start it again, as systemd would.
+        for proc in [p for p in executions if p.poll() is not None]:
+            executions.remove(proc)
+            executions.append(replace())
+            run.restarted += 1
         if time.monotonic() < next_kill:
             continue
         next_kill = time.monotonic() + rng.uniform(2.0, 3.5)
@@ -108,7 +115,8 @@ def record_kills(
         overlaps=world.overlaps(),
         notes=(
             f"{kills['child']} children + {kills['main']} main processes SIGKILLed in "
-            f"{run.under_fire:.0f} s, {len(run.victims)} running jobs interrupted; kill-to-rescue "
+            f"{run.under_fire:.0f} s ({run.restarted} workers that exited on their own started "
+            f"again), {len(run.victims)} running jobs interrupted; kill-to-rescue "
             f"median {statistics.median(rescues or [0]):.1f} s, worst shown (lease 3 s, rescue "
             f"every 1 s); worst attempt-to-next-attempt {float(rerun or 0):.0f} s (rescued jobs "
             f"keep their place in the queue); {figures.summary()}; {workload}"
