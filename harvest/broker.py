@@ -77,6 +77,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_send_sent_event": False,
         "worker_cancel_long_running_tasks_on_connection_loss": False,
         "broker_channel_error_retry": True,
+        # Celery's consumer, guarded against Celery 5.7's reconnect exiting the worker.
+        "worker_consumer": "harvest.worker.consumer:Consumer",
     }
 
 

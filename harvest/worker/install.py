@@ -41,6 +41,8 @@ def install(celery_app: Celery, *, settings: Settings | None = None) -> Celery:
     routes = _merged_routes(conf.task_routes, ours["task_routes"])
     beat = _merged_beat(conf.beat_schedule or {}, beat_schedule(settings))
     conf.task_queues, conf.task_routes, conf.beat_schedule = queues, routes, beat
+    if conf.worker_consumer == "celery.worker.consumer:Consumer":  # an app's own one stays
+        conf.worker_consumer = ours["worker_consumer"]
     register_tasks(celery_app)
     return celery_app
 

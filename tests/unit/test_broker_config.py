@@ -68,3 +68,15 @@ def test_chunk_groups_by_queue_and_name() -> None:
     assert sorted(len(m) for m in messages) == [1, 1, 1, 1, 1, 5]
     assert all(len({j.name for j in m}) == 1 for m in messages)
     assert sorted(j.id for m in messages for j in m) == list(range(10))
+
+
+def test_workers_use_harvests_consumer() -> None:
+    from celery.utils.imports import symbol_by_name
+    from celery.worker.consumer import Consumer as CeleryConsumer
+
+    from harvest.worker import app
+
+    # What a worker started with `celery -A harvest.worker` builds its consumer from.
+    consumer = symbol_by_name(app.conf.worker_consumer)
+    assert consumer.__module__ == "harvest.worker.consumer"
+    assert issubclass(consumer, CeleryConsumer)

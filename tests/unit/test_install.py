@@ -30,7 +30,10 @@ def test_every_other_key_is_kept_and_harvest_is_added() -> None:
         "task_queues",
         "task_routes",
         "beat_schedule",
+        "worker_consumer",
     }
+    # harvest's consumer: Celery's, surviving Celery 5.7's reconnect (harvest.worker.consumer).
+    assert after["worker_consumer"] == "harvest.worker.consumer:Consumer"
     # Without queues of its own, the app's default queue stays consumed by a worker without -Q.
     assert [q.name for q in after["task_queues"]] == ["celery", "schedule", "execution"]
     assert after["task_routes"][EXECUTE_TASK] == {"queue": "execution"}
@@ -107,3 +110,9 @@ def test_job_names_become_tasks_that_only_say_how_to_enqueue() -> None:
     with pytest.raises(RuntimeError, match=r"app.enqueue\('summarize'"):
         app.tasks["summarize"].run({"x": 1})
     assert app.tasks["summarize"].send_events is False
+
+
+def test_a_consumer_of_the_apps_own_stays() -> None:
+    app = celery(worker_consumer="userproj.consumer:Consumer")
+    install(app, settings=SETTINGS)
+    assert app.conf.worker_consumer == "userproj.consumer:Consumer"
