@@ -4,6 +4,7 @@ recurring schedules (:mod:`harvest.schedules`) and retention (:mod:`harvest.main
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -263,8 +264,28 @@ class RescueReport:
     cancelled: int
 
 
+def rescue_if_due(app: Harvest) -> RescueReport | None:
+    """:func:`rescue`, when none ran (in any process of this Redis) for
+    ``HARVEST_RESCUE_INTERVAL``; None otherwise, and when Redis cannot say.
+
+    Dispatch ticks call it: rescue's own ticks share the ``schedule`` queue with dispatch ticks
+    and nudges, and where those keep its process busy (a full in-flight window makes each
+    dispatch linger) rescue ticks waited past their ``expires`` and were dropped unrun, so
+    killed workers' jobs waited a minute instead of a lease (chaos case F1)."""
+    try:
+        due = app.redis.set(
+            rkeys.rescue_ran(), b"1", nx=True, px=int(app.settings.rescue_interval * 1000)
+        )
+    except Exception:  # Redis down: rescue's own ticks carry on
+        return None
+    return rescue(app) if due else None
+
+
 def rescue(app: Harvest, *, batch: int = 500) -> RescueReport:
     """Return jobs whose lease expired to pending (or failed, when no attempts remain)."""
+    with contextlib.suppress(Exception):  # Redis down: rescue needs Postgres only
+        # Dispatch ticks run no other rescue for an interval (rescue_if_due).
+        app.redis.set(rkeys.rescue_ran(), b"1", px=int(app.settings.rescue_interval * 1000))
     requeued = failed = cancelled = 0
     with app.engine.begin() as conn:
         store.quarantine_pending(conn)

@@ -149,6 +149,12 @@ def nudge() -> str:
     return f"{PREFIX}nudge"
 
 
+def rescue_ran() -> str:
+    """``SET PX`` marker of the last rescue (``HARVEST_RESCUE_INTERVAL``): a dispatch tick that
+    finds it gone runs one (harvest.dispatcher.rescue_if_due)."""
+    return f"{PREFIX}rescue-ran"
+
+
 # --- worker registry ------------------------------------------------------------------------
 
 

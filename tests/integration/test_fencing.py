@@ -3,6 +3,7 @@ nothing, rescue takes back expired leases, and a lost lease drops the outcome (a
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -10,9 +11,10 @@ from typing import Any
 import pytest
 from sqlalchemy import Engine, text
 
-from harvest import store
+from harvest import dispatcher, store
 from harvest.app import Harvest
 from harvest.context import JobContext
+from harvest.coordination import keys as rkeys
 from harvest.jobs import Claimed, Job
 from harvest.models import JobStatus
 from harvest.runner import DUPLICATES, LOST, MALFORMED, Runner
@@ -252,6 +254,30 @@ def test_rescue_requeues_an_expired_dispatch_without_counting_an_attempt(
     assert rescue(effects).requeued == [ref.id]  # never started: not its last attempt yet
     back = job(effects, ref.id)
     assert (back.status, back.attempts) == (JobStatus.PENDING, 0)
+
+
+def test_a_dispatch_tick_rescues_when_no_rescue_ran_for_an_interval(
+    app: Harvest, effects: Engine
+) -> None:
+    """Rescue's own ticks can wait (and expire) behind dispatch ticks on the schedule queue;
+    dispatch ticks run it when none ran for HARVEST_RESCUE_INTERVAL (chaos case F1)."""
+    app.redis.delete(rkeys.rescue_ran())
+    ref = app.enqueue("noop", {})
+    [claimed] = claim_all(effects)
+    start(effects, claimed)  # its worker dies here
+    expire(effects, ref.id)
+    report = dispatcher.rescue_if_due(app)
+    assert report is not None and report.requeued == 1
+    claim_all(effects)
+    expire(effects, ref.id)  # its second worker dies too, at once
+    assert dispatcher.rescue_if_due(app) is None  # one ran within the interval: not yet
+    assert job(effects, ref.id).status is JobStatus.DISPATCHED
+    app.redis.pexpire(rkeys.rescue_ran(), 1)  # the interval passes
+    time.sleep(0.01)
+    report = dispatcher.rescue_if_due(app)
+    assert report is not None and report.requeued == 1
+    dispatcher.rescue(app)  # a rescue tick of its own counts as one
+    assert dispatcher.rescue_if_due(app) is None
 
 
 # --- lost leases ----------------------------------------------------------------------------

@@ -24,7 +24,11 @@ outages = Outages(log, "ticks")
 
 @app.task(name=DISPATCH_TASK, **TICK)
 def dispatch() -> int:
-    return tick(DISPATCH_TASK, lambda: dispatcher.dispatch(runtime.harvest()).claimed)
+    def work() -> int:
+        dispatcher.rescue_if_due(runtime.harvest())  # not only behind dispatch in the queue
+        return dispatcher.dispatch(runtime.harvest()).claimed
+
+    return tick(DISPATCH_TASK, work)
 
 
 @app.task(name=RESCUE_TASK, **TICK)
