@@ -17,7 +17,7 @@ from tests.processes.conftest import FAST, wait_until
 
 pytestmark = pytest.mark.slow
 
-MERGED = {"task_queues", "task_routes", "beat_schedule"}
+MERGED = {"task_queues", "task_routes", "beat_schedule", "worker_consumer"}
 
 
 def effects_of(engine: Engine, job_id: int) -> int:
