@@ -202,9 +202,7 @@ def test_retention_drops_a_day_whole_and_leaves_nothing_to_vacuum(
     with clean_db.connect() as conn:
         assert conn.execute(text("SELECT to_regclass(:t)"), {"t": day}).scalar() is None
         dead_tuples = conn.execute(
-            text(
-                "SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables WHERE relname = :t"
-            ),
+            text("SELECT coalesce(sum(n_dead_tup), 0) FROM pg_stat_user_tables WHERE relname = :t"),
             {"t": f"harvest_job_history_done_{utc_day(2 * DAY)}"},
         ).scalar_one()
     # A catalog change, not a DELETE (its time: bench/scale.py): the day kept has no dead row.
