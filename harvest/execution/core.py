@@ -168,7 +168,12 @@ def gate(
         pool, retry = soonest(result)
         left = deadline - (yield fx.Clock())
         if left <= 0:
-            return Wait(max(retry, MIN_WAIT), f"no key free in {_named(pools)}")
+            # Back to pending for no longer than it waited here: ``retry`` is a bound (for keys
+            # at their concurrency, the earliest lease *expiry*, 20-30 s away while heartbeats
+            # run, where a call ends in about a second), and dispatch sends the job again only
+            # when a key can serve it (capacity-aware), so an early return costs nothing.
+            delay = max(min(retry, plan.key_wait), MIN_WAIT)
+            return Wait(delay, f"no key free in {_named(pools)}")
         yield fx.AwaitKey(pool, min(retry, left, KEY_POLL))
 
 

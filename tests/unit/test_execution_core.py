@@ -151,6 +151,17 @@ def test_no_key_within_key_wait_defers_without_an_attempt() -> None:
     assert [type(n.event) for n in s.of(fx.Notify)] == [Deferred]
 
 
+def test_a_deferral_for_busy_keys_lasts_no_longer_than_the_wait() -> None:
+    # Keys at their concurrency answer the earliest lease expiry (25 s), where a call may end
+    # any moment: the job is back in key_wait at most, not behind 25 s of the queue.
+    s = Script(LeaseKey=lambda e: Busy(25.0), Defer=lambda e: True)
+    assert s.run(core.attempt(tracked(), spec(pool="p"), PLAN)) == ("deferred",)
+    assert s.of(fx.Defer)[0].row.delay == PLAN.key_wait
+    short = Script(LeaseKey=lambda e: Busy(0.3), Defer=lambda e: True)
+    short.run(core.attempt(tracked(), spec(pool="p"), PLAN))
+    assert short.of(fx.Defer)[0].row.delay == 0.3  # a sooner bound is kept
+
+
 def test_a_pool_redis_lost_is_rebuilt_once() -> None:
     answers = iter([None, lease()])
     s = Script(LeaseKey=lambda e: next(answers), Start=lambda e: None)
