@@ -220,7 +220,7 @@ def run_subject(ctx: Ctx, case: Case, subject: Subject) -> dict[str, Any]:
         "concurrency": case.concurrency,
         "rss_mib": round(peak_rss, 1),
         "calls": len(log),
-        **_token_figures(case, log, keys),
+        **_token_figures(case, log, keys, figures_until(log, drained, until)),
         **_learned_figures(case, log, figures_until(log, drained, until)),
     }
 
@@ -248,18 +248,39 @@ def _learned_figures(case: Case, log: list[dict[str, Any]], until: float) -> dic
     }
 
 
-def _token_figures(case: Case, log: list[dict[str, Any]], keys: Any) -> dict[str, Any]:
+def _token_figures(
+    case: Case, log: list[dict[str, Any]], keys: Any, until: float
+) -> dict[str, Any]:
     """With a token budget: the most tokens a key had in any window (the service's log and its
-    own peak), against the budget."""
+    own peak), against the budget; and the tokens admitted per minute over the steady part
+    (whole windows of 60 s after the first, as for jobs/s), against K·T."""
     if case.tpm is None:
         return {}
     peaks = window_peaks(log, 60.0)
+    per_min = steady_tokens(log, until)
     return {
         "tpm": case.tpm,
         "peak_window_tokens": max(peaks.values(), default=0),
         "peak_window_tokens_attempted": max(k["peak_window_tokens_attempted"] for k in keys),
         "http_429_tokens": sum(k["http_429_tokens"] for k in keys),
+        "tokens_per_min": per_min,
+        "of_token_limit": per_min / (case.keys * case.tpm) if per_min is not None else None,
     }
+
+
+def steady_tokens(log: list[dict[str, Any]], until: float, period: float = 60.0) -> float | None:
+    """Tokens of the calls the service admitted (answered 200) in the whole windows of
+    ``period`` after the first one, per minute: what a token budget is judged by. Counted at
+    admission (a call's start), as the service counts them; None without a whole window."""
+    if not log:
+        return None
+    first = min(e["start"] for e in log)
+    windows = math.floor((until - first) / period) - 1
+    if windows < 1:
+        return None
+    lo, hi = first + period, first + period * (1 + windows)
+    tokens = sum(e["tokens"] for e in log if e["status"] == 200 and lo <= e["start"] < hi)
+    return tokens * 60.0 / (hi - lo)
 
 
 def figures_until(log: list[dict[str, Any]], drained: bool, until: float) -> float:
@@ -289,6 +310,28 @@ def _rows(case: Case, subjects: list[Subject]) -> dict[str, Row]:
             comparisons.append(Comparison(base, target, "vs asyncio script"))
         subject = f"{case.name}: {s.name}"
         rows[subject] = Row("goodput", subject, "jobs/s", comparisons=comparisons)
+    if case.tpm is not None:
+        rows.update(_token_rows(case, subjects))
+    return rows
+
+
+def _token_rows(case: Case, subjects: list[Subject]) -> dict[str, Row]:
+    """With a token budget, the budget itself is the limit a user reads: tokens admitted per
+    minute (steady part) against K·T, beside the jobs/s rows (which depend on the tokens the
+    calls happened to draw)."""
+    assert case.tpm is not None
+    lim = f"{case.name}: token limit"
+    note = f"{case.keys} keys x {case.tpm:,} tokens/min"
+    rows = {lim: Row("goodput", lim, "tokens/min", [float(case.keys * case.tpm)], note=note)}
+    for s in subjects:
+        target = (
+            Target("ratio_min", 0.95, "≥ 0.95 of the token limit")
+            if s.name.startswith("harvest async")
+            else None
+        )
+        name = f"{case.name}: {s.name}, tokens"
+        comparisons = [Comparison(lim, target, "of the token limit")]
+        rows[name] = Row("goodput", name, "tokens/min", comparisons=comparisons)
     return rows
 
 
@@ -343,5 +386,9 @@ def run(ctx: Ctx) -> list[Row]:
             else:
                 row.values.append(figures["steady"])
             row.note = figures["steady_span"]
+            tokens = by_name.get(f"{case.name}: {subject.name}, tokens")
+            if tokens is not None and figures.get("tokens_per_min") is not None:
+                tokens.values.append(figures["tokens_per_min"])
+                tokens.note = "tokens admitted (200) in the steady windows, per minute"
             ctx.step(f"goodput {case.name}: {subject.name} {figures['steady'] or 0:,.1f} jobs/s", 1)
     return rows

@@ -49,3 +49,21 @@ class RecordingBroker(Broker):
 
     def nudge_dispatch(self) -> None:
         pass
+
+
+def statement_kinds(runner: Any, monkeypatch: Any) -> list[str]:
+    """The execution statements ``runner`` sends from now on, by kind (hold, start, finish,
+    finish+start, other), in order."""
+    from harvest.execution import sql
+
+    kinds = {sql._HOLD: "hold", sql._START: "start", sql._FINISH: "finish"}
+    kinds[sql._FINISH_THEN_START] = "finish+start"
+    sent: list[str] = []
+    db = runner.sync.db
+
+    def counted(query: Any) -> Any:
+        sent.append(kinds.get(query.sql, "other"))
+        return db(query)
+
+    monkeypatch.setattr(runner.sync, "db", counted)
+    return sent

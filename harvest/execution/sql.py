@@ -255,6 +255,36 @@ def finish(rows: Sequence[Finish]) -> Query[set[int]]:
     return Query(_FINISH, params, lambda found: {int(r.id) for r in found})
 
 
+def _prefixed(statement: str, prefix: str) -> str:
+    """``statement`` with each of its parameters renamed ``prefix`` + name."""
+    return statement.replace("%(", f"%({prefix}")
+
+
+# Two UPDATEs of different rows in one statement: both happen or neither, in one commit.
+_FINISH_THEN_START = f"""
+    WITH finished AS ({_FINISH}), started AS ({_prefixed(_START, "next_")})
+    SELECT f.ids, s.*
+    FROM (SELECT array_agg(id) AS ids FROM finished) AS f LEFT JOIN started AS s ON true
+"""
+
+
+def finish_then_start(
+    row: Finish, job: Pair, *, ttl: float, worker: str | None
+) -> Query[tuple[set[int], dict[int, StartResult]]]:
+    """One job of a message ending and the next one starting, in one statement: one round trip
+    and one commit where :func:`finish` then :func:`start` take two (the blocking shell runs a
+    message's jobs one after another). Each half is fenced exactly as alone; the result is
+    both of theirs. ``job`` must be another job than ``row``'s."""
+    ended, begun = finish([row]), start([job], ttl=ttl, worker=worker)
+    params = {**ended.params, **{f"next_{k}": v for k, v in begun.params.items()}}
+
+    def parse(rows: list[Any]) -> tuple[set[int], dict[int, StartResult]]:
+        ids = rows[0].ids if rows else None
+        return {int(i) for i in ids or ()}, _started([r for r in rows if r.id is not None])
+
+    return Query(_FINISH_THEN_START, params, parse)
+
+
 _DEFER = f"""
     UPDATE harvest_jobs AS j
     SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'pending' END,

@@ -19,7 +19,7 @@ from harvest.coordination.key_pool import KeyPool
 from harvest.models import JobStatus
 from harvest.runner import Runner
 from harvest.settings import Settings
-from tests.helpers import RecordingBroker, body, claim_all
+from tests.helpers import RecordingBroker, body, claim_all, statement_kinds
 
 FIRST, SECOND = "fb-first", "fb-second"
 KEYS = {FIRST: ("a1", "a2"), SECOND: ("b1",)}
@@ -100,6 +100,19 @@ def test_the_second_pool_serves_while_the_first_is_out_and_the_first_when_it_is_
     jobs = run(app, runner, name, 4)  # as many as the first pool's keys take at once
     assert {job.result["pool"] for job in jobs} == {FIRST}
     assert {job.attempts for job in jobs} == {1}
+
+
+def test_a_keyed_jobs_end_and_the_next_ones_start_go_in_one_statement(
+    app: Harvest, runner: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The next job of a message takes its key while the one before ends (that one's key is
+    already given back), then starts in the same statement as that end."""
+    sent = statement_kinds(runner, monkeypatch)
+    jobs = run(app, runner, "fallback_call", 4)
+    assert {(job.status, job.attempts, job.result["pool"]) for job in jobs} == {
+        (JobStatus.SUCCEEDED, 1, FIRST)
+    }
+    assert sent == ["hold", "start", *["finish+start"] * 3, "finish"]
 
 
 def test_with_every_pool_out_a_job_is_deferred_without_an_attempt(

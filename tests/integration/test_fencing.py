@@ -3,6 +3,7 @@ nothing, rescue takes back expired leases, and a lost lease drops the outcome (a
 
 from __future__ import annotations
 
+import itertools
 import time
 import uuid
 from collections.abc import Callable
@@ -18,7 +19,7 @@ from harvest.coordination import keys as rkeys
 from harvest.jobs import Claimed, Job
 from harvest.models import JobStatus
 from harvest.runner import DUPLICATES, LOST, MALFORMED, Runner
-from tests.helpers import body, claim_all, effect_count
+from tests.helpers import body, claim_all, effect_count, statement_kinds
 
 
 @pytest.fixture
@@ -345,3 +346,66 @@ def test_cancel_of_a_dispatched_job_ends_it_cancelled_without_running(
     assert ended.status is JobStatus.CANCELLED
     assert ended.finished_at is not None
     assert app.wait(ref.id, timeout=1).status is JobStatus.CANCELLED
+
+
+# --- a message's jobs one after another -----------------------------------------------------
+
+
+def test_a_jobs_end_and_the_next_ones_start_go_in_one_statement(
+    app: Harvest, runner: Runner, effects: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Five jobs of one message: one hold, one start, four 'end one, start the next', one
+    end: seven statements where eleven were, and every job ran once and succeeded."""
+    refs = [app.enqueue("effect", {}) for _ in range(5)]
+    message = body(claim_all(effects))
+    sent = statement_kinds(runner, monkeypatch)
+    assert runner.execute(message)["started"] == 5
+    assert sent == ["hold", "start", *["finish+start"] * 4, "finish"]
+    ended = [job(effects, r.id) for r in refs]
+    assert [effect_count(effects, r.id) for r in refs] == [1] * 5
+    assert {(j.status, j.attempts) for j in ended} == {(JobStatus.SUCCEEDED, 1)}
+    for before, after in itertools.pairwise(ended):
+        assert after.started_at == before.finished_at  # one statement, one now()
+
+
+def test_a_next_job_taken_meanwhile_is_suppressed_and_the_one_before_still_ends(
+    app: Harvest, runner: Runner, effects: Engine
+) -> None:
+    """The combined statement fences each half alone: while job 1 runs, job 2 is rescued and
+    claimed again (another worker's now). Job 1's end is written; job 2 is not started here."""
+    taken: dict[str, uuid.UUID] = {}
+
+    @app.job("takes_the_next")
+    def takes_the_next(ctx: JobContext, other: int = 0) -> dict[str, int]:
+        taken["token"] = steal(effects, other)
+        return {"ran": ctx.job_id}
+
+    second = app.enqueue("effect", {}, priority=1)
+    first = app.enqueue("takes_the_next", {"other": second.id}, priority=10)
+    message = body(claim_all(effects))
+    assert [m[0] for m in message] == [first.id, second.id]
+    counts = runner.execute(message)
+    assert (counts["started"], counts["suppressed"]) == (1, 1)
+    assert job(effects, first.id).status is JobStatus.SUCCEEDED
+    assert job(effects, first.id).result == {"ran": first.id}
+    assert effect_count(effects, second.id) == 0
+    again = job(effects, second.id)
+    assert (again.status, again.attempts) == (JobStatus.DISPATCHED, 0)  # the new owner's
+    assert counter(effects, DUPLICATES) == 1
+
+
+def test_an_end_that_fails_its_fence_does_not_keep_the_next_job_from_starting(
+    app: Harvest, runner: Runner, effects: Engine
+) -> None:
+    @app.job("paused_first")
+    def paused_first(ctx: JobContext) -> None:
+        steal(effects, ctx.job_id)
+
+    first = app.enqueue("paused_first", {}, priority=10)
+    second = app.enqueue("effect", {}, priority=1)
+    counts = runner.execute(body(claim_all(effects)))
+    assert (counts["started"], counts["lost"]) == (2, 1)
+    assert job(effects, first.id).status is JobStatus.DISPATCHED  # the newer claim's
+    assert job(effects, second.id).status is JobStatus.SUCCEEDED
+    assert effect_count(effects, second.id) == 1
+    assert counter(effects, LOST) == 1

@@ -1,0 +1,44 @@
+"""The goodput benchmark's token figure: what a token budget is judged by."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import goodput
+from bench.core import judge_row
+
+
+def call(start: float, tokens: int, status: int = 200) -> dict[str, object]:
+    return {"start": start, "end": start + 0.5, "status": status, "tokens": tokens}
+
+
+def test_tokens_are_counted_at_admission_in_the_whole_windows_after_the_first() -> None:
+    log = [
+        call(0.0, 40_000),  # the first window: a burst, left out
+        call(60.0, 1_000),
+        call(100.0, 2_000),
+        call(110.0, 5_000, status=429),  # refused: not admitted
+        call(119.9, 3_000),
+        call(120.0, 7_000),  # in a window that is not whole
+    ]
+    assert goodput.steady_tokens(log, until=150.0) == pytest.approx(6_000.0)
+
+
+def test_no_whole_window_after_the_first_gives_no_figure() -> None:
+    assert goodput.steady_tokens([call(0.0, 100), call(70.0, 100)], until=110.0) is None
+    assert goodput.steady_tokens([], until=200.0) is None
+
+
+def test_harvest_async_is_judged_against_the_token_limit() -> None:
+    (case,) = [c for c in goodput.FULL if c.tpm is not None]
+    assert case.tpm is not None
+    rows = goodput._rows(case, goodput.make_subjects(["async"], "prefork", {}))
+    limit = rows[f"{case.name}: token limit"]
+    (tokens,) = [r for name, r in rows.items() if name.endswith(", tokens")]
+    assert limit.values == [case.keys * case.tpm]
+    verdicts = []
+    for share in (0.96, 0.94):
+        tokens.values[:] = [share * case.keys * case.tpm]
+        (judged,), _ = judge_row(tokens, list(rows.values()))
+        verdicts.append((judged.baseline, round(judged.ratio or 0, 2), judged.verdict))
+    assert verdicts == [(limit.subject, 0.96, "met"), (limit.subject, 0.94, "missed")]
