@@ -59,6 +59,10 @@ class Paused:
     returned: Any = None
 
 
+class Abandoned(Exception):
+    """Thrown into an attempt begun ahead whose turn never came."""
+
+
 class Ahead:
     """The next job of a message, begun while the job before it ends.
 
@@ -137,16 +141,32 @@ class SyncShell:
             )
             for one, (_, h) in zip(tracked, jobs, strict=True)
         ]
+        ahead: Ahead | None = None
         try:
-            begun: Ahead | None = None
             for i, gen in enumerate(attempts):
+                begun = ahead if ahead is not None and ahead.begun else None
                 ahead = Ahead(attempts[i + 1]) if i + 1 < len(attempts) else None
                 counts.update(self.drive(gen, begun, ahead))
-                begun = ahead if ahead is not None and ahead.begun else None
         finally:
+            if ahead is not None and ahead.begun:  # left early: its turn will not come
+                self.abandon(ahead)
             for one in tracked:
                 self.heartbeat.untrack(one)
         return counts
+
+    def abandon(self, ahead: Ahead) -> None:
+        """A next attempt begun ahead whose turn never came (the job before it raised out of
+        the message): :class:`Abandoned` is thrown into it, so it gives back what it took (its
+        key lease). Its job stays held, or running if its Start was written, until its lease
+        expires and rescue takes it back, as when a worker dies."""
+        if ahead.raised is not None or ahead.at.done:
+            return
+        try:
+            self.advance(ahead.gen, None, Abandoned("the message ended before its turn"))
+        except Abandoned:
+            pass
+        except Exception as exc:
+            log.warning("a job begun ahead was not wound down (%s)", type(exc).__name__)
 
     def track(self, pair: sql.Pair, held: sql.Held) -> Tracked:
         tracked = Tracked(pair[0], pair[1], held.name, held.attempts + 1)

@@ -6,7 +6,9 @@ pools together."""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
+import psycopg
 import pytest
 import redis
 from cryptography.fernet import Fernet
@@ -16,6 +18,7 @@ from sqlalchemy import Engine
 from harvest import dispatcher, keystore, store
 from harvest.app import Harvest
 from harvest.coordination.key_pool import KeyPool
+from harvest.execution import sql
 from harvest.models import JobStatus
 from harvest.runner import Runner
 from harvest.settings import Settings
@@ -113,6 +116,26 @@ def test_a_keyed_jobs_end_and_the_next_ones_start_go_in_one_statement(
         (JobStatus.SUCCEEDED, 1, FIRST)
     }
     assert sent == ["hold", "start", *["finish+start"] * 3, "finish"]
+
+
+def test_a_job_that_took_its_key_ahead_gives_it_back_when_the_message_ends_early(
+    app: Harvest, runner: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The statement that ends the first job and starts the second fails (Postgres went
+    away): the message ends with the error, and the second job, which had leased its key
+    while the first ended, gives the key back at once rather than when its lease expires."""
+    db = runner.sync.db
+
+    def failing(query: Any) -> Any:
+        if query.sql == sql._FINISH_THEN_START:
+            raise psycopg.OperationalError("the server closed the connection unexpectedly")
+        return db(query)
+
+    monkeypatch.setattr(runner.sync, "db", failing)
+    app.enqueue_many("fallback_call", [{}] * 2)
+    with pytest.raises(psycopg.OperationalError):
+        runner.execute(body(claim_all(app.engine)))
+    assert [k.live_leases for k in KeyPool(app.redis, FIRST).snapshot()] == [0, 0]
 
 
 def test_with_every_pool_out_a_job_is_deferred_without_an_attempt(
