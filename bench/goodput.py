@@ -129,6 +129,15 @@ def analyse(log: list[dict[str, Any]], case: Case, until: float) -> Figures:
     )
 
 
+def steady_windows(first: float, until: float, period: float) -> tuple[float, float] | None:
+    """The steady part of a window-bound run: the whole windows of ``period`` after the first
+    (a burst), from the first call to ``until``; None when there is not one."""
+    windows = math.floor((until - first) / period) - 1
+    if windows < 1:
+        return None
+    return first + period, first + period * (1 + windows)
+
+
 def _steady(
     ends: list[float], case: Case, first: float | None, until: float
 ) -> tuple[float | None, str]:
@@ -136,10 +145,11 @@ def _steady(
         return None, "too few jobs done"
     if rate_bound(case):
         period = window(case)
-        windows = math.floor((until - first) / period) - 1
-        if windows >= 1:
-            lo, hi = first + period, first + period * (1 + windows)
+        span = steady_windows(first, until, period)
+        if span is not None:
+            lo, hi = span
             count = sum(1 for t in ends if lo <= t < hi)
+            windows = round((hi - lo) / period)
             return count / (hi - lo), f"{windows} whole window(s) of {period:g} s after the first"
     lo, hi = percentile(ends, 10), percentile(ends, 90)
     if hi <= lo:
@@ -200,7 +210,8 @@ def run_subject(ctx: Ctx, case: Case, subject: Subject) -> dict[str, Any]:
         stats = service.stats()
         log = _service_log(service)
         failed = subject.failed()
-    figures = analyse(log, case, figures_until(log, drained, until))
+    end = figures_until(log, drained, until)
+    figures = analyse(log, case, end)
     keys = stats["keys"].values()
     missing = case.jobs - figures.done - failed
     return {
@@ -220,8 +231,8 @@ def run_subject(ctx: Ctx, case: Case, subject: Subject) -> dict[str, Any]:
         "concurrency": case.concurrency,
         "rss_mib": round(peak_rss, 1),
         "calls": len(log),
-        **_token_figures(case, log, keys, figures_until(log, drained, until)),
-        **_learned_figures(case, log, figures_until(log, drained, until)),
+        **_token_figures(case, log, keys, end),
+        **_learned_figures(case, log, end),
     }
 
 
@@ -272,13 +283,10 @@ def steady_tokens(log: list[dict[str, Any]], until: float, period: float = 60.0)
     """Tokens of the calls the service admitted (answered 200) in the whole windows of
     ``period`` after the first one, per minute: what a token budget is judged by. Counted at
     admission (a call's start), as the service counts them; None without a whole window."""
-    if not log:
+    span = steady_windows(min(e["start"] for e in log), until, period) if log else None
+    if span is None:
         return None
-    first = min(e["start"] for e in log)
-    windows = math.floor((until - first) / period) - 1
-    if windows < 1:
-        return None
-    lo, hi = first + period, first + period * (1 + windows)
+    lo, hi = span
     tokens = sum(e["tokens"] for e in log if e["status"] == 200 and lo <= e["start"] < hi)
     return tokens * 60.0 / (hi - lo)
 
