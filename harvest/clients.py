@@ -30,19 +30,20 @@ class _Slot(Generic[C]):
 
 
 class ClientPool(Generic[C]):
-    """At most ``max_per_key`` clients per key (borrowed + idle); idle ones older than
-    ``idle_timeout`` are closed; ``healthy(client)`` is asked before a client is reused."""
+    """At most ``max_per_key`` clients per key (borrowed + idle; None: as many as are borrowed
+    at once, for callers bounded by something else, such as the key's lease); idle ones older
+    than ``idle_timeout`` are closed; ``healthy(client)`` is asked before a client is reused."""
 
     def __init__(
         self,
         factory: Callable[[str], C],
         *,
-        max_per_key: int = 4,
+        max_per_key: int | None = 4,
         idle_timeout: float = 60.0,
         healthy: Callable[[C], bool] = lambda client: True,
         close: Callable[[C], None] = _close,
     ) -> None:
-        if max_per_key < 1:
+        if max_per_key is not None and max_per_key < 1:
             raise ValueError("max_per_key must be at least 1")
         self._factory, self._healthy, self._close = factory, healthy, close
         self.max_per_key, self.idle_timeout = max_per_key, idle_timeout
@@ -75,7 +76,7 @@ class ClientPool(Generic[C]):
                         slot.out += 1
                         return client
                     self._close(client)
-                if slot.out < self.max_per_key:
+                if self.max_per_key is None or slot.out < self.max_per_key:
                     slot.out += 1
                     break
                 left = deadline - time.monotonic()

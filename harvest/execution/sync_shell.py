@@ -103,8 +103,11 @@ class SyncShell:
         self.app = app
         self.plan = plan
         self.gate = Gate(app)
+        # No cap of its own: a job borrows a key's client only while it holds a lease on the
+        # key, so the key's declared concurrency bounds the clients out (a cap below it, the
+        # old 4, held a thread pool to 4 calls a key whatever the key allowed).
         self.clients: ClientPool[httpx.Client] = ClientPool(
-            http_client, healthy=lambda client: not client.is_closed
+            http_client, max_per_key=None, healthy=lambda client: not client.is_closed
         )
         self.heartbeat = HeartbeatThread(self)
         self.watchdog = limits.Watchdog()

@@ -8,6 +8,8 @@ from __future__ import annotations
 import random
 import signal
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +39,53 @@ def effects_per_job(engine: Engine, ids: list[int]) -> dict[int, int]:
 
 def running(engine: Engine, ids: list[int]) -> int:
     return statuses(engine, ids).get("running", 0)
+
+
+def with_keys(
+    settings: Settings, redis_client: redis.Redis, *, keys: int, concurrency: int
+) -> Settings:
+    """``settings`` with a secret key, and ``keys`` keys of ``concurrency`` in test-pool."""
+    settings = settings.model_copy(update={"secret_key": SecretStr(Fernet.generate_key().decode())})
+    cipher = keystore.Cipher.from_settings(settings)
+    admin = Harvest(settings)
+    with admin.sessions.begin() as session:
+        for i in range(keys):
+            keystore.add_key(
+                session, cipher, pool="test-pool", name=f"k{i}", secret=f"sk-test-{i:04d}-x",
+                max_concurrency=concurrency,
+            )  # fmt: skip
+    keystore.sync_pool(admin.engine, redis_client, "test-pool")
+    admin.close()
+    return settings
+
+
+@contextmanager
+def keyed_run(
+    settings: Settings, tmp_path: Path
+) -> Iterator[tuple[Cluster, Harvest, ApiServer, str]]:
+    """A cluster with the keys' secret, an enqueuing app, and the logging API server and its
+    URL; all three stopped at the end."""
+    server = ApiServer()
+    url = server.start()
+    cluster = Cluster(settings, tmp_path)
+    cluster.env["HARVEST_SECRET_KEY"] = settings.secret_key.get_secret_value()  # type: ignore[union-attr]
+    client = Harvest(settings)
+    client.load_imports(["tests.jobs"])
+    try:
+        yield cluster, client, server, url
+    finally:
+        cluster.stop()
+        client.close()
+        server.stop()
+
+
+def all_succeed(effects: Engine, ids: list[int], timeout: float) -> None:
+    wait_until(
+        lambda: statuses(effects, ids).get("succeeded") == len(ids),
+        timeout=timeout,
+        interval=0.5,
+        what=f"all {len(ids)} jobs to succeed ({statuses(effects, ids)})",
+    )
 
 
 def test_two_thousand_async_jobs_each_recorded_once(
@@ -178,24 +227,8 @@ def test_sigkill_of_async_jobs_holding_keys_loses_nothing_and_never_overlaps_a_k
     """250 async jobs through 10 keys of concurrency 25: kill the worker with 200+ calls in
     flight. Every job succeeds; the service never sees a key over its concurrency (a dead
     worker's leases expire before another worker may take the key)."""
-    settings = migrated.model_copy(update={"secret_key": SecretStr(Fernet.generate_key().decode())})
-    cipher = keystore.Cipher.from_settings(settings)
-    admin = Harvest(settings)
-    with admin.sessions.begin() as session:
-        for i in range(10):
-            keystore.add_key(
-                session, cipher, pool="test-pool", name=f"k{i}", secret=f"sk-kill-{i:04d}-x",
-                max_concurrency=25,
-            )  # fmt: skip
-    keystore.sync_pool(admin.engine, redis_client, "test-pool")
-    admin.close()
-    server = ApiServer()
-    url = server.start()
-    cluster = Cluster(settings, tmp_path)
-    cluster.env["HARVEST_SECRET_KEY"] = settings.secret_key.get_secret_value()  # type: ignore[union-attr]
-    client = Harvest(settings)
-    client.load_imports(["tests.jobs"])
-    try:
+    settings = with_keys(migrated, redis_client, keys=10, concurrency=25)
+    with keyed_run(settings, tmp_path) as (cluster, client, server, url):
         cluster.worker("schedule", concurrency=1)
         victim = cluster.worker("execution", concurrency=2, HARVEST_ASYNC_CONCURRENCY="150")
         cluster.beat()
@@ -207,21 +240,30 @@ def test_sigkill_of_async_jobs_holding_keys_loses_nothing_and_never_overlaps_a_k
         cluster.kill(victim)
         victim.wait(10)
         cluster.worker("execution", concurrency=2, HARVEST_ASYNC_CONCURRENCY="150")
-        wait_until(
-            lambda: statuses(effects, ids).get("succeeded") == 250,
-            timeout=180,
-            interval=1.0,
-            what=f"every keyed job to succeed ({statuses(effects, ids)})",
-        )
-    finally:
-        cluster.stop()
-        client.close()
-        server.stop()
+        all_succeed(effects, ids, timeout=180)
     by_key: dict[str, list[Any]] = {}
     for call in server.calls:
         by_key.setdefault(call.key, []).append(call)
     assert len(by_key) == 10
     assert max(max_overlap(calls) for calls in by_key.values()) <= 25
+    assert set(effects_per_job(effects, ids)) == set(ids)
+
+
+def test_sync_keyed_jobs_on_threads_fill_a_key_to_its_concurrency(
+    migrated: Settings, clean_db: Engine, redis_client: redis.Redis, effects: Engine, tmp_path: Path
+) -> None:
+    """-P threads -c 16, one key of concurrency 10, jobs calling with ``ctx.client()``: the
+    service sees 10 calls at once on the key, never 11 (each job borrows the key's pooled
+    client while it holds a lease; a pool of 4 clients a key held it to 4)."""
+    settings = with_keys(migrated, redis_client, keys=1, concurrency=10)
+    with keyed_run(settings, tmp_path) as (cluster, client, server, url):
+        cluster.worker("schedule", concurrency=1)
+        cluster.worker("execution", concurrency=16, pool="threads")
+        cluster.beat()
+        cluster.wait_ready()
+        ids = client.enqueue_many("call_api", [{"url": url, "hold": 1.0}] * 40)
+        all_succeed(effects, ids, timeout=120)
+    assert max_overlap(server.calls) == 10
     assert set(effects_per_job(effects, ids)) == set(ids)
 
 

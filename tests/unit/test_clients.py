@@ -45,6 +45,15 @@ def test_at_most_max_per_key_are_out_at_once() -> None:
         assert pool.sizes()[1] == (2, 0)
 
 
+def test_without_a_cap_as_many_are_out_as_are_borrowed_and_kept_for_reuse() -> None:
+    pool: ClientPool[Client] = ClientPool(Client, max_per_key=None)
+    with pool.borrow(1, "s") as a, pool.borrow(1, "s") as b, pool.borrow(1, "s") as c:
+        assert len({id(a), id(b), id(c)}) == 3 and pool.sizes()[1] == (3, 0)
+    with pool.borrow(1, "s") as again:
+        assert again in (a, b, c)
+    assert Client.made == 3 and pool.sizes()[1] == (0, 3)
+
+
 def test_a_waiter_gets_the_client_given_back() -> None:
     pool = ClientPool(Client, max_per_key=1)
     got: list[Client] = []
