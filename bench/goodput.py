@@ -32,10 +32,13 @@ calls per 10 s a key: the same 16 jobs/s) and the concurrency-bound case, small.
 
 from __future__ import annotations
 
+import csv
 import math
+import re
 import time
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -43,7 +46,14 @@ import psutil
 from bench.core import Comparison, Row, Target, percentile
 from bench.env import Ctx
 from bench.goodput_subjects import SUBJECTS, Case, Subject, make_subjects
-from harvest.loopback import SIGMA, LoopbackHandle, mean_latency, start_loopback, window_peaks
+from harvest.loopback import (
+    LOG_FIELDS,
+    SIGMA,
+    LoopbackHandle,
+    mean_latency,
+    start_loopback,
+    window_peaks,
+)
 
 FULL = (
     Case("rate-bound", 8, 4, 120, 60.0, 0.5, jobs=2016, cap=150.0),
@@ -182,6 +192,18 @@ def _service_log(service: LoopbackHandle) -> list[dict[str, Any]]:
         rows.extend(page)
 
 
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _save_log(path: Path, log: list[dict[str, Any]]) -> None:
+    """The service's call log of one subject's run, for a reader's own analysis."""
+    with path.open("w", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=list(LOG_FIELDS))
+        writer.writeheader()
+        writer.writerows(log)
+
+
 def run_subject(ctx: Ctx, case: Case, subject: Subject) -> dict[str, Any]:
     """Start the service and the subject, submit the case's jobs, watch until done or the cap,
     and work out the figures. Everything it started is stopped when it returns."""
@@ -209,6 +231,7 @@ def run_subject(ctx: Ctx, case: Case, subject: Subject) -> dict[str, Any]:
         until = time.time()
         stats = service.stats()
         log = _service_log(service)
+        _save_log(ctx.log_dir / f"{case.name}-{_slug(subject.name)}-calls.csv", log)
         failed = subject.failed()
     end = figures_until(log, drained, until)
     figures = analyse(log, case, end)

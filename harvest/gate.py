@@ -68,6 +68,42 @@ class Gate:
             self.last_used.record(result.key_id)
         return result
 
+    def release_then_lease(
+        self,
+        done: Lease,
+        pool: str,
+        holder: str,
+        cost: int = 0,
+        *,
+        used: int | None = None,
+        succeeded: bool = False,
+        announced: Announced | None = None,
+    ) -> Lease | Busy | None:
+        """:meth:`release` of ``done`` and :meth:`try_lease` in ``pool`` in one round trip (the
+        next job of a message taking a key as the job before gives its own back); each alone
+        when that fails, so a release is never lost to the lease's error."""
+        settle = (used, succeeded, announced)
+        if done.pool != pool:
+            self.release(done, *settle)
+            return self.try_lease(pool, holder, cost)
+        try:
+            freed, result = self.pool(pool).release_then_lease(
+                done, holder, self.ttl, used=used, succeeded=succeeded, announced=announced,
+                cost=cost,
+            )  # fmt: skip
+        except PoolNotLoaded:
+            return None
+        except Exception as exc:
+            log.info("release and lease in one round trip failed (%s); each alone", exc)
+            self.release(done, *settle)
+            return self.try_lease(pool, holder, cost)
+        if not freed:
+            _expired(done)
+        if isinstance(result, Lease):
+            self.last_used.record(result.key_id)
+        self.flush_last_used()
+        return result
+
     def load_pool(self, pool: str) -> None:
         """Rebuild a pool Redis lost (restart, flush) from Postgres, under its lock."""
         keystore.ensure_pool_loaded(self.app.engine, self.app.redis, pool)

@@ -23,23 +23,25 @@ import secrets
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
+from redis.exceptions import NoScriptError
 
 from harvest.coordination import keys
 from harvest.coordination.key_state import (
     LEARNING,
     STATE_FIELDS,
     STATUSES,
+    Busy,
+    KeySpec,
     KeyState,
     Learning,
+    Lease,
     Status,
     Throttled,
 )
-from harvest.coordination.rate_limit import Rate
 from harvest.coordination.scripts import AsyncLuaScript, LuaScript, micros
 from harvest.coordination.scripts import seconds as to_seconds
 from harvest.errors import NoKeyAvailable, PoolNotLoaded
@@ -63,71 +65,6 @@ __all__ = [
 MAX_BATCH = 1000
 IDLE_RETRY = 1.0  # retry hint when no key can free up by time alone (none, or all disabled)
 _POLL_MAX = 0.25
-
-
-@dataclass(frozen=True)
-class KeySpec:
-    """One key's limits and status, as Postgres knows them."""
-
-    key_id: int
-    max_concurrency: int
-    rate: Rate | None = None
-    status: Status = "active"
-    cooldown_until: float | None = None  # seconds since the epoch
-    tokens: Rate | None = None  # token budget: ``count`` tokens per ``period`` (None: no budget)
-
-    def __post_init__(self) -> None:
-        if isinstance(self.key_id, bool) or not isinstance(self.key_id, int) or self.key_id < 0:
-            raise ValueError(f"invalid key_id {self.key_id!r}: must be an integer >= 0")
-        mc = self.max_concurrency
-        if isinstance(mc, bool) or not isinstance(mc, int) or mc < 1:
-            raise ValueError(f"key {self.key_id}: invalid max_concurrency {mc!r}: must be >= 1")
-        if self.status not in STATUSES:
-            raise ValueError(f"key {self.key_id}: invalid status {self.status!r}: use {STATUSES}")
-        if self.status == "cooling" and self.cooldown_until is None:
-            raise ValueError(f"key {self.key_id}: status 'cooling' needs cooldown_until")
-        if self.rate is not None and not isinstance(self.rate, Rate):
-            raise ValueError(f"key {self.key_id}: invalid rate {self.rate!r}: use parse_rate()")
-        if self.tokens is not None and not isinstance(self.tokens, Rate):
-            raise ValueError(f"key {self.key_id}: invalid token budget {self.tokens!r}: use Rate")
-
-    def as_args(self) -> list[str | int]:
-        """The eight values ``pool_sync.lua`` takes per key."""
-        rate, tokens = self.rate, self.tokens
-        cool = micros(self.cooldown_until) if self.cooldown_until is not None else 0
-        return [
-            str(self.key_id),
-            self.max_concurrency,
-            rate.count if rate else 0,
-            rate.period_micros if rate else 0,
-            self.status,
-            cool,
-            tokens.count if tokens else 0,
-            tokens.period_micros if tokens else 0,
-        ]
-
-
-@dataclass(frozen=True)
-class Lease:
-    """A key held by one holder until ``expires_at``, granted at ``granted_at`` (seconds since
-    the epoch, both on the Redis clock: the time the key's rate window counted this grant at)."""
-
-    pool: str
-    key_id: int
-    token: str
-    fence: int
-    expires_at: float
-    cost: int = 0  # tokens reserved on the key (settled at release with what the call used)
-    granted_at: float = 0.0
-
-
-@dataclass(frozen=True)
-class Busy:
-    """No key could be leased now; one could be in about ``retry_after`` seconds (``never``: the
-    call's token cost is above every key's budget, no wait helps)."""
-
-    retry_after: float
-    never: bool = False
 
 
 class _PoolShape:
@@ -293,6 +230,39 @@ class KeyPool(_PoolShape):
         """
         script_keys, args, tokens = self._lease_call(holder, ttl, n, cost)
         return self._leases_from(self._lease.array(script_keys, args), tokens, args, cost)
+
+    def release_then_lease(
+        self,
+        lease: Lease,
+        holder: str,
+        ttl: float,
+        *,
+        used: int | None = None,
+        succeeded: bool = False,
+        announced: Announced | None = None,
+        cost: int = 0,
+    ) -> tuple[bool, Lease | Busy]:
+        """:meth:`release` of ``lease``, then :meth:`lease` for ``holder``, in one round trip:
+        the two scripts pipelined, each atomic as alone, the release first (so the lease may
+        take the slot it freed). Returns (the release's answer, the lease's).
+
+        :raises PoolNotLoaded: Redis holds no state for this pool (the release was done).
+        """
+        released = self._release_call(lease, used, succeeded, announced)
+        script_keys, args, tokens = self._lease_call(holder, ttl, 1, cost)
+        pipe = self._redis.pipeline(transaction=False)
+        self._release.queue(pipe, *released)
+        self._lease.queue(pipe, script_keys, args)
+        freed, reply = pipe.execute(raise_on_error=False)
+        if isinstance(freed, NoScriptError):  # a restarted Redis: each alone, which loads it
+            freed = self._release.integer(*released)
+        if isinstance(reply, NoScriptError):
+            reply = self._lease.array(script_keys, args)
+        for answer in (freed, reply):
+            if isinstance(answer, Exception):
+                raise answer
+        result = self._leases_from(reply, tokens, args, cost)
+        return bool(int(freed)), result if isinstance(result, Busy) else result[0]
 
     def acquire(self, holder: str, ttl: float, *, timeout: float, cost: int = 0) -> Lease:
         """Lease a key, waiting up to ``timeout`` seconds.

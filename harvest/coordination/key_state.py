@@ -1,5 +1,7 @@
-"""A pool key's live state as Redis reports it, and how its learned limits move (pure values,
-shared by :mod:`harvest.coordination.key_pool`, the CLI, the dashboard and metrics)."""
+"""A pool key's live state as Redis reports it, how its learned limits move, and the values a
+pool is synced with and leases by (KeySpec, Lease, Busy): pure values, shared by
+:mod:`harvest.coordination.key_pool` (which re-exports them), the CLI, the dashboard and
+metrics."""
 
 from __future__ import annotations
 
@@ -8,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Literal, cast, get_args
 
 from harvest.coordination.rate_limit import Rate
+from harvest.coordination.scripts import micros, text
 from harvest.coordination.scripts import seconds as to_seconds
-from harvest.coordination.scripts import text
 
 Status = Literal["active", "cooling", "disabled"]
 STATUSES: tuple[str, ...] = get_args(Status)
@@ -132,3 +134,68 @@ def _status(value: bytes | str) -> Status:
         if status == known:
             return cast(Status, known)
     raise ValueError(f"unexpected key status in Redis: {status!r}")
+
+
+@dataclass(frozen=True)
+class KeySpec:
+    """One key's limits and status, as Postgres knows them."""
+
+    key_id: int
+    max_concurrency: int
+    rate: Rate | None = None
+    status: Status = "active"
+    cooldown_until: float | None = None  # seconds since the epoch
+    tokens: Rate | None = None  # token budget: ``count`` tokens per ``period`` (None: no budget)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.key_id, bool) or not isinstance(self.key_id, int) or self.key_id < 0:
+            raise ValueError(f"invalid key_id {self.key_id!r}: must be an integer >= 0")
+        mc = self.max_concurrency
+        if isinstance(mc, bool) or not isinstance(mc, int) or mc < 1:
+            raise ValueError(f"key {self.key_id}: invalid max_concurrency {mc!r}: must be >= 1")
+        if self.status not in STATUSES:
+            raise ValueError(f"key {self.key_id}: invalid status {self.status!r}: use {STATUSES}")
+        if self.status == "cooling" and self.cooldown_until is None:
+            raise ValueError(f"key {self.key_id}: status 'cooling' needs cooldown_until")
+        if self.rate is not None and not isinstance(self.rate, Rate):
+            raise ValueError(f"key {self.key_id}: invalid rate {self.rate!r}: use parse_rate()")
+        if self.tokens is not None and not isinstance(self.tokens, Rate):
+            raise ValueError(f"key {self.key_id}: invalid token budget {self.tokens!r}: use Rate")
+
+    def as_args(self) -> list[str | int]:
+        """The eight values ``pool_sync.lua`` takes per key."""
+        rate, tokens = self.rate, self.tokens
+        cool = micros(self.cooldown_until) if self.cooldown_until is not None else 0
+        return [
+            str(self.key_id),
+            self.max_concurrency,
+            rate.count if rate else 0,
+            rate.period_micros if rate else 0,
+            self.status,
+            cool,
+            tokens.count if tokens else 0,
+            tokens.period_micros if tokens else 0,
+        ]
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A key held by one holder until ``expires_at``, granted at ``granted_at`` (seconds since
+    the epoch, both on the Redis clock: the time the key's rate window counted this grant at)."""
+
+    pool: str
+    key_id: int
+    token: str
+    fence: int
+    expires_at: float
+    cost: int = 0  # tokens reserved on the key (settled at release with what the call used)
+    granted_at: float = 0.0
+
+
+@dataclass(frozen=True)
+class Busy:
+    """No key could be leased now; one could be in about ``retry_after`` seconds (``never``: the
+    call's token cost is above every key's budget, no wait helps)."""
+
+    retry_after: float
+    never: bool = False

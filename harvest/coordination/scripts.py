@@ -30,11 +30,20 @@ class LuaScript:
 
     def __init__(self, client: Redis, name: str) -> None:
         self.name = name
-        self._call = cast(Callable[..., Any], client.register_script(source(name)))
+        script = client.register_script(source(name))
+        self.sha: str = script.sha
+        self._call = cast(Callable[..., Any], script)
 
     def __call__(self, keys: Sequence[str], args: Sequence[Arg] = (), *, client: Any = None) -> Any:
         """Run the script (or, with ``client=`` a pipeline, queue it there)."""
         return self._call(keys=list(keys), args=list(args), client=client)
+
+    def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Arg] = ()) -> None:
+        """Queue the script on a pipeline as a bare EVALSHA. (A pipeline's own script support
+        asks Redis ``SCRIPT EXISTS`` on every execute: one round trip more.) Its reply is
+        :class:`redis.exceptions.NoScriptError` when Redis does not hold the script (restarted
+        or flushed): run it alone then, which loads it."""
+        pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
 
     def array(self, keys: Sequence[str], args: Sequence[Arg] = ()) -> Reply:
         """Run a script whose reply is an array."""

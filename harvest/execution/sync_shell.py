@@ -23,6 +23,7 @@ import psycopg
 
 from harvest.clients import ClientPool
 from harvest.context import JobContext
+from harvest.coordination.key_pool import Lease
 from harvest.errors import JobTimeout
 from harvest.execution import core, limits, sql
 from harvest.execution import effects as fx
@@ -75,6 +76,8 @@ class Ahead:
 
     def __init__(self, gen: Generator[fx.Effect, Any, Any]) -> None:
         self.gen = gen
+        self.release: fx.ReleaseKey | None = None  # the job before's key, given back with
+        # this one's lease (one round trip), or alone before that job's Finish
         self.begun = False
         self.at = Paused()
         self.result: tuple[Any, BaseException | None] | None = None  # of ``at.effect``, if done
@@ -84,10 +87,21 @@ class Ahead:
         """Drive the next attempt up to its first effect that may not go ahead; what it raised
         is raised in its own turn."""
         self.begun = True
+        value: Any = None
+        error: BaseException | None = None
         try:
-            self.at = shell.advance(self.gen, stop=lambda e: not isinstance(e, AHEAD))
+            while True:
+                self.at = shell.advance(self.gen, value, error, stop=self._stops)
+                lease = self.at.effect
+                if not (isinstance(lease, fx.LeaseKey) and self.release is not None):
+                    return
+                done, self.release = self.release, None
+                value, error = caught(shell.release_then_lease, done, lease)
         except Exception as exc:
             self.raised = exc
+
+    def _stops(self, e: fx.Effect) -> bool:
+        return not isinstance(e, AHEAD) or (isinstance(e, fx.LeaseKey) and self.release is not None)
 
 
 def caught(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
@@ -162,6 +176,7 @@ class SyncShell:
         the message): :class:`Abandoned` is thrown into it, so it gives back what it took (its
         key lease). Its job stays held, or running if its Start was written, until its lease
         expires and rescue takes it back, as when a worker dies."""
+        self.release_pending(ahead)
         if ahead.raised is not None or ahead.at.done:
             return
         try:
@@ -199,12 +214,23 @@ class SyncShell:
             value, error = begun.result or caught(self.perform, begun.at.effect)
         if ahead is None:
             return self.advance(gen, value, error).returned  # type: ignore[no-any-return]
-        while True:
-            at = self.advance(gen, value, error, stop=lambda e: isinstance(e, fx.Finish))
-            if at.done:
-                return at.returned  # type: ignore[no-any-return]
-            assert isinstance(at.effect, fx.Finish)
-            value, error = caught(self.finish_then_start, at.effect, ahead)
+
+        def stops(e: fx.Effect) -> bool:  # its Finish; its key's release, kept for the next
+            return isinstance(e, fx.Finish) or (isinstance(e, fx.ReleaseKey) and not ahead.begun)
+
+        try:
+            while True:
+                at = self.advance(gen, value, error, stop=stops)
+                if at.done:
+                    return at.returned  # type: ignore[no-any-return]
+                if isinstance(at.effect, fx.ReleaseKey):
+                    self.release_pending(ahead)  # (a job holds one key: none, in fact)
+                    ahead.release, value, error = at.effect, None, None
+                else:
+                    assert isinstance(at.effect, fx.Finish)
+                    value, error = caught(self.finish_then_start, at.effect, ahead)
+        finally:
+            self.release_pending(ahead)
 
     def advance(
         self,
@@ -231,6 +257,7 @@ class SyncShell:
         if ahead.begun:
             return self.perform(e)  # type: ignore[no-any-return]
         ahead.begin(self)
+        self.release_pending(ahead)  # the next job took no key: the key is free before the write
         nxt = ahead.at.effect
         if not isinstance(nxt, fx.Start) or nxt.job_id == e.row.job_id:
             return self.perform(e)  # type: ignore[no-any-return]
@@ -239,6 +266,27 @@ class SyncShell:
         finished, started = self.db(query)  # failed: neither happened; the Start runs alone
         ahead.result = (started.get(nxt.job_id), None)
         return e.row.job_id in finished
+
+    def release_then_lease(self, done: fx.ReleaseKey, e: fx.LeaseKey) -> Any:
+        """The job before's key given back and the next job's lease, in one round trip."""
+        result = self.gate.release_then_lease(
+            done.lease, e.pool, e.holder, e.cost, used=done.used, succeeded=done.succeeded,
+            announced=done.announced,
+        )  # fmt: skip
+        if not isinstance(result, Lease):
+            self._wake_one(done.lease.pool)  # the freed key is not this job's: a waiter's
+        return result
+
+    def release_pending(self, ahead: Ahead) -> None:
+        """Give back the key the job before kept for the next job's lease, if it still has it."""
+        if ahead.release is not None:
+            done, ahead.release = ahead.release, None
+            self.perform(done)
+
+    def _wake_one(self, pool: str) -> None:
+        freed = self._key_freed(pool)
+        with freed:
+            freed.notify()  # one key freed: one waiter tries it (not a stampede)
 
     def perform(self, e: fx.Effect) -> Any:
         match e:
@@ -274,9 +322,7 @@ class SyncShell:
                 return row.job_id in self.db(sql.finish([row]))
             case fx.ReleaseKey(lease, used, succeeded, announced):
                 self.gate.release(lease, used, succeeded, announced)
-                freed = self._key_freed(lease.pool)
-                with freed:
-                    freed.notify()  # one key freed: one waiter tries it (not a stampede)
+                self._wake_one(lease.pool)
                 return None
             case fx.CountUsage(call):
                 return self.usage.add(call)

@@ -118,6 +118,43 @@ def test_a_keyed_jobs_end_and_the_next_ones_start_go_in_one_statement(
     assert sent == ["hold", "start", *["finish+start"] * 3, "finish"]
 
 
+def test_a_keyed_jobs_key_goes_back_with_the_next_ones_lease_in_one_round_trip(
+    app: Harvest, runner: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a message of keyed jobs, each job's key is given back in the same Redis round trip
+    as the next job's lease (two scripts pipelined, the release first): 5 round trips for 4
+    jobs, not 8. Every job still holds its own lease (a fence of its own), and no lease is
+    left when the message is done."""
+    calls: list[str] = []
+    for name, label in (("lease", "lease"), ("release", "release"),
+                        ("release_then_lease", "release+lease")):  # fmt: skip
+        real = getattr(KeyPool, name)
+
+        def spy(
+            self: KeyPool, *args: Any, _real: Any = real, _label: str = label, **kw: Any
+        ) -> Any:
+            calls.append(_label)
+            return _real(self, *args, **kw)
+
+        monkeypatch.setattr(KeyPool, name, spy)
+    fences: list[int] = []
+    take = runner.sync.gate.release_then_lease
+
+    def fenced(*args: Any, **kw: Any) -> Any:
+        result = take(*args, **kw)
+        fences.append(result.fence)
+        return result
+
+    monkeypatch.setattr(runner.sync.gate, "release_then_lease", fenced)
+    jobs = run(app, runner, "fallback_call", 4)
+    assert {(job.status, job.attempts, job.result["pool"]) for job in jobs} == {
+        (JobStatus.SUCCEEDED, 1, FIRST)
+    }
+    assert calls == ["lease", *["release+lease"] * 3, "release"]
+    assert len(set(fences)) == 3 and fences == sorted(fences)
+    assert [k.live_leases for k in KeyPool(app.redis, FIRST).snapshot()] == [0, 0]
+
+
 def test_a_job_that_took_its_key_ahead_gives_it_back_when_the_message_ends_early(
     app: Harvest, runner: Runner, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -183,6 +183,25 @@ def test_stale_holder_cannot_release_or_heartbeat(redis_client: redis.Redis) -> 
     assert pool.release(current) is False, "a second release reports the lease gone"
 
 
+def test_release_then_lease_frees_the_key_first_in_one_round_trip(
+    redis_client: redis.Redis,
+) -> None:
+    """One key of concurrency 1: the next holder gets the very key the last one gives back
+    (the release runs first), with a fence of its own; a stale holder's release frees nothing
+    and the lease then finds the key busy; after Redis lost its scripts, both still run."""
+    pool = make_pool(redis_client, KeySpec(1, 1))
+    first = lease_ok(pool, "first")
+    freed, second = pool.release_then_lease(first, "second", 30.0)
+    assert freed is True and isinstance(second, Lease)
+    assert second.key_id == 1 and second.fence > first.fence
+    freed, third = pool.release_then_lease(first, "third", 30.0)  # first's lease is gone
+    assert freed is False and isinstance(third, Busy)
+    redis_client.script_flush()
+    freed, fourth = pool.release_then_lease(second, "fourth", 30.0)
+    assert freed is True and isinstance(fourth, Lease) and fourth.fence > second.fence
+    assert pool.release(fourth) is True
+
+
 def test_heartbeat_keeps_a_lease_alive(redis_client: redis.Redis) -> None:
     pool = make_pool(redis_client, KeySpec(1, 1))
     lease = lease_ok(pool, ttl=0.3)
