@@ -1,8 +1,10 @@
 """Worker-side resources: a pool of reusable clients per API key.
 
 An HTTP client holds connections (TLS handshakes are the slow part of calling an API), so a
-worker keeps a few per key and hands them to the jobs that lease that key. Bounded per key,
-checked before reuse, closed after sitting idle.
+worker keeps clients per key and hands them to the jobs that lease that key: as many as are
+borrowed at once (the worker's jobs borrow only while holding a lease on the key, so the key's
+concurrency bounds them) or a fixed number (``max_per_key``); checked before reuse, closed
+after sitting idle.
 """
 
 from __future__ import annotations
