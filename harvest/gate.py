@@ -94,7 +94,8 @@ class Gate:
         except PoolNotLoaded:
             return None
         except Exception as exc:
-            log.info("release and lease in one round trip failed (%s); each alone", exc)
+            log.info("release and lease in one round trip failed (%s); each alone",
+                     type(exc).__name__)  # fmt: skip
             self.release(done, *settle)
             return self.try_lease(pool, holder, cost)
         if not freed:

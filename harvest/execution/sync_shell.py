@@ -175,8 +175,8 @@ class SyncShell:
         """A next attempt begun ahead whose turn never came (the job before it raised out of
         the message): :class:`Abandoned` is thrown into it, so it gives back what it took (its
         key lease). Its job stays held, or running if its Start was written, until its lease
-        expires and rescue takes it back, as when a worker dies."""
-        self.release_pending(ahead)
+        expires and rescue takes it back, as when a worker dies. (The key the job before kept
+        for it was already given back, when that job's driver ended.)"""
         if ahead.raised is not None or ahead.at.done:
             return
         try:
