@@ -191,6 +191,19 @@ async def async_timed_out(ctx: JobContext) -> None:
     await asyncio.sleep(30)
 
 
+@app.job("async_stubborn", max_attempts=1, timeout=0.3)
+async def async_stubborn(ctx: JobContext, keeps_on: float = 5.5) -> None:
+    """Ignores its time limit: swallows the CancelledError, goes on for ``keeps_on`` seconds
+    (as a handler finishing a call in a ``finally`` would), then records its effect."""
+    import asyncio
+
+    try:
+        await asyncio.sleep(30)
+    except asyncio.CancelledError:
+        await asyncio.sleep(keeps_on)
+    await _record(ctx)
+
+
 @app.job("async_cancellable", max_attempts=3, retry=FAST_RETRY, timeout=120)
 async def async_cancellable(ctx: JobContext, seconds: float = 60.0) -> dict[str, Any]:
     """Records that it started, then waits (never looking at ctx.cancelled): cancelling the

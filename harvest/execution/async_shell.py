@@ -3,8 +3,8 @@ once on one event loop per worker process (started after fork, never before).
 
 Its I/O never blocks the loop: Postgres through psycopg's async connections (grouped fenced
 writes, :mod:`harvest.execution.writer`), Redis through ``redis.asyncio`` (the same Lua
-scripts), HTTP through one ``httpx.AsyncClient`` per key. Each job's handler runs as its own
-task, so a time limit or a cancellation really stops it (it gets ``CancelledError``). One
+scripts), HTTP through one ``httpx.AsyncClient`` per key. Each job is one task, its handler
+included, so a time limit or a cancellation really stops it (it gets ``CancelledError``). One
 heartbeat task renews the leases of every job in flight in one statement per tick.
 """
 
@@ -37,8 +37,27 @@ if TYPE_CHECKING:
 log = logging.getLogger("harvest.runner")
 
 T = TypeVar("T")
-CANCEL_GRACE = 5.0  # seconds a cancelled handler gets to clean up before it is abandoned
 CLIENT_IDLE = 300.0  # an HTTP client of a key unused this long is closed
+
+
+class Stop:
+    """Stops a running handler from another task of the loop (the heartbeat: its job was lost
+    or cancelled; shutdown: it is handed back) by cancelling the job's task, and undoes those
+    cancellations once the handler has ended, so the job's own ending runs uncancelled."""
+
+    def __init__(self) -> None:
+        task = asyncio.current_task()
+        assert task is not None, "a handler runs in a task"
+        self.task, self.sent = task, 0
+
+    def cancel(self) -> None:
+        self.sent += 1
+        self.task.cancel()
+
+    def undo(self) -> None:
+        while self.sent and self.task.cancelling():
+            self.task.uncancel()
+            self.sent -= 1
 
 
 class AsyncClients:
@@ -207,31 +226,43 @@ class AsyncShell:
     # --- running a handler ----------------------------------------------------------------
 
     async def run_handler(self, e: fx.RunHandler) -> fx.HandlerResult:
+        """Run the handler in the job's own task: no task of its own, so no loop turn between
+        the key's lease and the handler's first line, nor between its return and the key's
+        release (under load a loop turn is milliseconds of a key leased and not called).
+        A time limit or a cancellation is thrown into it as ``CancelledError``; a handler that
+        ignores it keeps its key and its place until it returns, and its attempt still ends
+        timed out or cancelled (its key is never given back while it may still call)."""
         ctx = self.context(e)
         timeout = e.job.timeout or e.spec.timeout
         started = time.monotonic()
         try:
-            task = asyncio.ensure_future(e.spec.func(ctx, **e.job.payload))
+            call = e.spec.func(ctx, **e.job.payload)
         except Exception as exc:  # the call itself failed (a payload that does not fit)
             return fx.HandlerResult(error=exc)
-        e.tracked.handler = task
+        stop = Stop()
+        value: Any = None
+        error: BaseException | None = None
+        limit = asyncio.timeout(timeout)
+        e.tracked.handler = stop
         try:
-            done, _ = await asyncio.wait({task}, timeout=timeout)
+            async with limit:
+                value = await call
+        except (Exception, asyncio.CancelledError) as exc:
+            error = exc
         finally:
             e.tracked.handler = None
+            stop.undo()
         took = time.monotonic() - started
-        if not done:
-            await _stop(task, e.job.id)
+        if limit.expired():  # whatever it did after its cancellation: the time limit counts
             return fx.HandlerResult(seconds=took, timed_out=True)
-        if task.cancelled():
+        if isinstance(error, asyncio.CancelledError):
             if e.tracked.handing_back:
                 return fx.HandlerResult(seconds=took, handed_back=True)
             stopped = asyncio.CancelledError("cancelled while it ran")
             return fx.HandlerResult(error=stopped, seconds=took, cancelled=True)
-        error = task.exception()
         if error is not None:
             return fx.HandlerResult(error=error, seconds=took, cancelled=ctx.cancelled)
-        return fx.HandlerResult(value=task.result(), seconds=took, cancelled=ctx.cancelled)
+        return fx.HandlerResult(value=value, seconds=took, cancelled=ctx.cancelled)
 
     def context(self, e: fx.RunHandler) -> JobContext:
         tracked = e.tracked
@@ -294,18 +325,3 @@ class AsyncShell:
                 await self.clients.prune()
             except Exception as exc:
                 log.warning("heartbeat round failed: %s", type(exc).__name__)
-
-
-async def _stop(task: asyncio.Future[Any], job_id: int) -> None:
-    """Cancel a handler past its deadline and give it a moment to clean up."""
-    task.cancel()
-    done, _ = await asyncio.wait({task}, timeout=CANCEL_GRACE)
-    if not done:
-        log.error(
-            "job %s ignored its cancellation for %gs (a handler that swallows CancelledError); "
-            "its attempt ends as timed out, the task is abandoned",
-            job_id,
-            CANCEL_GRACE,
-        )
-    elif not task.cancelled() and task.exception() is not None:
-        pass  # it raised while cleaning up: the timeout is what counts

@@ -37,7 +37,7 @@ class Tracked:
     # killed): whatever the handler returns later is dropped
     key_lease: Any = None  # the API key lease held for it (harvest.coordination.Lease)
     key_fresh_until: float = 0.0  # monotonic: its key lease is surely live until then
-    handler: Any = None  # the asyncio task of an async handler, while it runs
+    handler: Any = None  # stops an async handler while it runs (async_shell.Stop)
     handing_back: str | None = None  # why the worker stops it (shutdown)
     ran: bool = False  # its handler was started (a call with the key may have been made)
     tokens_used: int | None = None  # what the handler reported with ctx.used(tokens=...)

@@ -68,6 +68,23 @@ def test_an_async_job_past_its_time_limit_is_stopped_and_retried(
     assert job.started_at is not None and job.run_at > job.started_at  # retried after a backoff
 
 
+def test_an_async_job_that_ignores_its_time_limit_ends_timed_out_only_once_it_returns(
+    app: Harvest, runner: Runner, effects: Engine
+) -> None:
+    # Its attempt may not end (and the job be retried, its key given to another) while the
+    # handler still runs: it would call on. Abandoning it after a grace (5 s) did just that.
+    ref = app.enqueue("async_stubborn", {"keeps_on": 5.5})
+    runner.execute(body(claim_all(effects)))
+    job = job_row(effects, ref.id)
+    assert job.status is JobStatus.FAILED
+    assert job.last_error is not None and job.last_error.startswith("JobTimeout")
+    with effects.connect() as conn:
+        recorded = conn.execute(
+            text("SELECT at FROM test_effects WHERE job_id = :id"), {"id": ref.id}
+        ).scalar_one()
+    assert job.finished_at is not None and recorded <= job.finished_at
+
+
 def test_cancelling_a_running_async_job_stops_it_within_a_heartbeat(
     app: Harvest, runner: Runner, effects: Engine
 ) -> None:
