@@ -98,12 +98,16 @@ class Gate:
                      type(exc).__name__)  # fmt: skip
             self.release(done, *settle)
             return self.try_lease(pool, holder, cost)
+        self.settled(done, freed, result)
+        self.flush_last_used()
+        return result
+
+    def settled(self, done: Lease, freed: bool, result: Lease | Busy) -> None:
+        """What a release-then-lease said: the lease given back had expired; a key was used."""
         if not freed:
             _expired(done)
         if isinstance(result, Lease):
             self.last_used.record(result.key_id)
-        self.flush_last_used()
-        return result
 
     def load_pool(self, pool: str) -> None:
         """Rebuild a pool Redis lost (restart, flush) from Postgres, under its lock."""
@@ -249,6 +253,30 @@ class AsyncGate:
             log.warning("key lease not released (%s); it expires by itself", type(exc).__name__)
         if self.gate.last_used.due():
             await asyncio.to_thread(self.gate.flush_last_used)
+
+    async def release_then_lease(
+        self, done: Lease, holder: str, cost: int = 0, *, used: int | None = None,
+        succeeded: bool = False, announced: Announced | None = None,
+    ) -> Lease | Busy | None:  # fmt: skip
+        """:meth:`Gate.release_then_lease` in ``done``'s own pool (a key freed in this process,
+        leased in the same round trip for a job of it that waits); when that fails, the release
+        alone, and None (the waiter leases on its own)."""
+        try:
+            freed, result = await self.pool(done.pool).release_then_lease(
+                done, holder, self.ttl, used=used, succeeded=succeeded, announced=announced,
+                cost=cost,
+            )  # fmt: skip
+        except PoolNotLoaded:
+            return None
+        except Exception as exc:
+            log.info("release and lease in one round trip failed (%s); release alone",
+                     type(exc).__name__)  # fmt: skip
+            await self.release(done, used, succeeded, announced)
+            return None
+        self.gate.settled(done, freed, result)
+        if self.gate.last_used.due():
+            await asyncio.to_thread(self.gate.flush_last_used)
+        return result
 
     async def rate_limited(self, lease: Lease, seconds: float, exhausted: bool = False) -> None:
         done = await self.pool(lease.pool).throttle(lease, seconds, exhausted=exhausted)

@@ -23,11 +23,10 @@ import secrets
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
-from redis.exceptions import NoScriptError
 
 from harvest.coordination import keys
 from harvest.coordination.key_state import (
@@ -42,34 +41,37 @@ from harvest.coordination.key_state import (
     Status,
     Throttled,
 )
-from harvest.coordination.scripts import AsyncLuaScript, LuaScript, micros
+from harvest.coordination.scripts import (
+    AsyncLuaScript,
+    Call,
+    LuaScript,
+    Script,
+    apipelined,
+    micros,
+    pipelined,
+)
 from harvest.coordination.scripts import seconds as to_seconds
 from harvest.errors import NoKeyAvailable, PoolNotLoaded
 from harvest.service_limits import NOTHING, Announced
 
 __all__ = [
-    "LEARNING",
-    "STATUSES",
-    "AsyncKeyPool",
-    "Busy",
-    "KeyPool",
-    "KeySpec",
-    "KeyState",
-    "Learning",
-    "Lease",
-    "Status",
-    "Throttled",
-    "check_cost",
+    "LEARNING", "STATUSES", "AsyncKeyPool", "Busy", "KeyPool", "KeySpec", "KeyState", "Learning",
+    "Lease", "Status", "Throttled", "check_cost",
 ]  # fmt: skip
 
 MAX_BATCH = 1000
+S = TypeVar("S", bound=Script)  # a pool's scripts: blocking or asyncio
 IDLE_RETRY = 1.0  # retry hint when no key can free up by time alone (none, or all disabled)
 _POLL_MAX = 0.25
 
 
-class _PoolShape:
+class _PoolShape(Generic[S]):
     """What a pool's scripts are called with, and how their replies read: shared by the
     blocking :class:`KeyPool` and the asyncio :class:`AsyncKeyPool`, which differ only in I/O."""
+
+    _lease: S
+    _release: S
+    _heartbeat: S
 
     def __init__(self, pool: str) -> None:
         self.pool = keys.check_name("pool", pool)
@@ -137,6 +139,28 @@ class _PoolShape:
             lease.token, lease.fence, lease.cost, -1 if used is None else used, *learn, *said
         ]  # fmt: skip
 
+    def _handoff_calls(
+        self, lease: Lease, holder: str, ttl: float, *, used: int | None, succeeded: bool,
+        announced: Announced | None, cost: int,
+    ) -> tuple[list[Call], list[str]]:  # fmt: skip
+        """The release of ``lease`` then a lease for ``holder``: the two scripts of
+        ``release_then_lease``, release first (so the lease may take the slot it frees)."""
+        released = self._release_call(lease, used, succeeded, announced)
+        script_keys, args, tokens = self._lease_call(holder, ttl, 1, cost)
+        return [(self._release, *released), (self._lease, script_keys, args)], tokens
+
+    def _handed_off(
+        self, replies: list[Any], calls: list[Call], tokens: list[str], cost: int
+    ) -> tuple[bool, Lease | Busy]:
+        freed, reply = _raised(replies)
+        result = self._leases_from(reply, tokens, list(calls[1][2]), cost)
+        return bool(int(freed)), result if isinstance(result, Busy) else result[0]
+
+    def _heartbeat_calls(self, leases: Sequence[Lease], ttl: float) -> list[Call]:
+        _check_ttl(ttl)
+        until = micros(ttl)
+        return [(self._heartbeat, [self._leases_key(x)], [x.token, until]) for x in leases]
+
     def _throttle_call(
         self, lease: Lease, seconds: float, exhausted: bool
     ) -> tuple[list[str], list[Any]]:
@@ -164,7 +188,7 @@ class _PoolShape:
         return [self._members, config], [str(int(key_id)), action, arg]
 
 
-class KeyPool(_PoolShape):
+class KeyPool(_PoolShape[LuaScript]):
     """The live state of one named pool of API keys, shared by every worker through Redis."""
 
     def __init__(self, redis: Redis, pool: str) -> None:
@@ -248,21 +272,10 @@ class KeyPool(_PoolShape):
 
         :raises PoolNotLoaded: Redis holds no state for this pool (the release was done).
         """
-        released = self._release_call(lease, used, succeeded, announced)
-        script_keys, args, tokens = self._lease_call(holder, ttl, 1, cost)
-        pipe = self._redis.pipeline(transaction=False)
-        self._release.queue(pipe, *released)
-        self._lease.queue(pipe, script_keys, args)
-        freed, reply = pipe.execute(raise_on_error=False)
-        if isinstance(freed, NoScriptError):  # a restarted Redis: each alone, which loads it
-            freed = self._release.integer(*released)
-        if isinstance(reply, NoScriptError):
-            reply = self._lease.array(script_keys, args)
-        for answer in (freed, reply):
-            if isinstance(answer, Exception):
-                raise answer
-        result = self._leases_from(reply, tokens, args, cost)
-        return bool(int(freed)), result if isinstance(result, Busy) else result[0]
+        calls, tokens = self._handoff_calls(
+            lease, holder, ttl, used=used, succeeded=succeeded, announced=announced, cost=cost
+        )
+        return self._handed_off(pipelined(self._redis, calls), calls, tokens, cost)
 
     def acquire(self, holder: str, ttl: float, *, timeout: float, cost: int = 0) -> Lease:
         """Lease a key, waiting up to ``timeout`` seconds.
@@ -340,11 +353,8 @@ class KeyPool(_PoolShape):
 
     def heartbeat_many(self, leases: Sequence[Lease], ttl: float) -> list[bool]:
         """Extend many leases in one round trip (a pipeline); False for each one lost."""
-        _check_ttl(ttl)
-        pipe = self._redis.pipeline(transaction=False)
-        for lease in leases:
-            self._heartbeat([self._leases_key(lease)], [lease.token, micros(ttl)], client=pipe)
-        return [bool(int(v)) for v in pipe.execute()]
+        beats = pipelined(self._redis, self._heartbeat_calls(leases, ttl))
+        return [bool(int(v)) for v in _raised(beats)]
 
     # --- key status ---------------------------------------------------------------------------
 
@@ -394,7 +404,7 @@ class KeyPool(_PoolShape):
         return sum(state.available for state in self.snapshot())
 
 
-class AsyncKeyPool(_PoolShape):
+class AsyncKeyPool(_PoolShape[AsyncLuaScript]):
     """:class:`KeyPool`'s hot path for an asyncio client: the same scripts, awaited."""
 
     def __init__(self, redis: AsyncRedis, pool: str) -> None:
@@ -413,12 +423,18 @@ class AsyncKeyPool(_PoolShape):
 
     async def heartbeat_many(self, leases: Sequence[Lease], ttl: float) -> list[bool]:
         """See :meth:`KeyPool.heartbeat_many`."""
-        _check_ttl(ttl)
-        pipe = self._redis.pipeline(transaction=False)
-        for lease in leases:
-            key = [self._leases_key(lease)]
-            await self._heartbeat(key, [lease.token, micros(ttl)], client=pipe)
-        return [bool(int(v)) for v in await pipe.execute()]
+        beats = await apipelined(self._redis, self._heartbeat_calls(leases, ttl))
+        return [bool(int(v)) for v in _raised(beats)]
+
+    async def release_then_lease(
+        self, lease: Lease, holder: str, ttl: float, *, used: int | None = None,
+        succeeded: bool = False, announced: Announced | None = None, cost: int = 0,
+    ) -> tuple[bool, Lease | Busy]:  # fmt: skip
+        """See :meth:`KeyPool.release_then_lease`."""
+        calls, tokens = self._handoff_calls(
+            lease, holder, ttl, used=used, succeeded=succeeded, announced=announced, cost=cost
+        )
+        return self._handed_off(await apipelined(self._redis, calls), calls, tokens, cost)
 
     async def release(
         self,
@@ -459,6 +475,14 @@ def check_cost(value: object, what: str = "cost") -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COST:
         raise ValueError(f"invalid {what} {value!r}: must be a whole number of tokens >= 0")
     return value
+
+
+def _raised(replies: list[Any]) -> list[Any]:
+    """A pipeline's replies, the first error reply raised."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
 
 
 def _check_ttl(ttl: float) -> None:

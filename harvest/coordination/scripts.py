@@ -13,6 +13,7 @@ from typing import Any, cast
 
 from redis import Redis
 from redis.asyncio import Redis as AsyncRedis
+from redis.exceptions import NoScriptError
 
 Arg = str | int | float
 Reply = list[Any]
@@ -25,25 +26,29 @@ def source(name: str) -> str:
     return path.read_text(encoding="utf-8")
 
 
-class LuaScript:
-    """One registered script bound to one client; call it with keys and args."""
+class Script:
+    """One registered script bound to one client (blocking or asyncio)."""
 
-    def __init__(self, client: Redis, name: str) -> None:
+    def __init__(self, client: Redis | AsyncRedis, name: str) -> None:
         self.name = name
         script = client.register_script(source(name))
         self.sha: str = script.sha
         self._call = cast(Callable[..., Any], script)
 
-    def __call__(self, keys: Sequence[str], args: Sequence[Arg] = (), *, client: Any = None) -> Any:
-        """Run the script (or, with ``client=`` a pipeline, queue it there)."""
-        return self._call(keys=list(keys), args=list(args), client=client)
-
     def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Arg] = ()) -> None:
         """Queue the script on a pipeline as a bare EVALSHA. (A pipeline's own script support
         asks Redis ``SCRIPT EXISTS`` on every execute: one round trip more.) Its reply is
         :class:`redis.exceptions.NoScriptError` when Redis does not hold the script (restarted
-        or flushed): run it alone then, which loads it."""
+        or flushed): run it alone then, which loads it (see :func:`pipelined`)."""
         pipe.execute_command("EVALSHA", self.sha, len(keys), *keys, *args)
+
+
+class LuaScript(Script):
+    """One registered script bound to one client; call it with keys and args."""
+
+    def __call__(self, keys: Sequence[str], args: Sequence[Arg] = (), *, client: Any = None) -> Any:
+        """Run the script (or, with ``client=`` a pipeline, queue it there)."""
+        return self._call(keys=list(keys), args=list(args), client=client)
 
     def array(self, keys: Sequence[str], args: Sequence[Arg] = ()) -> Reply:
         """Run a script whose reply is an array."""
@@ -54,12 +59,8 @@ class LuaScript:
         return int(self(keys, args))
 
 
-class AsyncLuaScript:
+class AsyncLuaScript(Script):
     """:class:`LuaScript` for an asyncio client (``redis.asyncio``): the same scripts, awaited."""
-
-    def __init__(self, client: AsyncRedis, name: str) -> None:
-        self.name = name
-        self._call = cast(Callable[..., Any], client.register_script(source(name)))
 
     async def __call__(
         self, keys: Sequence[str], args: Sequence[Arg] = (), *, client: Any = None
@@ -72,6 +73,38 @@ class AsyncLuaScript:
 
     async def integer(self, keys: Sequence[str], args: Sequence[Arg] = ()) -> int:
         return int(await self(keys, args))
+
+
+Call = tuple[Script, Sequence[str], Sequence[Arg]]  # a script, its keys, its args
+
+
+def pipelined(redis: Redis, calls: Sequence[Call]) -> list[Any]:
+    """Several scripts in one round trip: bare EVALSHAs on one pipeline, in order, each atomic
+    as alone (not a transaction). Each reply comes back in its place, an error reply as its
+    exception (not raised); a script Redis did not hold (NOSCRIPT: restarted or flushed) is
+    run again alone, which loads it."""
+    pipe = redis.pipeline(transaction=False)
+    for script, keys, args in calls:
+        script.queue(pipe, keys, args)
+    replies = pipe.execute(raise_on_error=False)
+    return [
+        cast(LuaScript, script)(keys, args) if isinstance(reply, NoScriptError) else reply
+        for reply, (script, keys, args) in zip(replies, calls, strict=True)
+    ]
+
+
+async def apipelined(redis: AsyncRedis, calls: Sequence[Call]) -> list[Any]:
+    """:func:`pipelined` for an asyncio client."""
+    pipe = redis.pipeline(transaction=False)
+    for script, keys, args in calls:
+        script.queue(pipe, keys, args)
+    replies = await pipe.execute(raise_on_error=False)
+    return [
+        await cast(AsyncLuaScript, script)(keys, args)
+        if isinstance(reply, NoScriptError)
+        else reply
+        for reply, (script, keys, args) in zip(replies, calls, strict=True)
+    ]
 
 
 def text(value: bytes | str) -> str:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import logging
 import time
 from collections.abc import Generator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
@@ -23,12 +23,14 @@ from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis as AsyncRedis
 
 from harvest.context import JobContext
+from harvest.coordination.key_state import Lease
 from harvest.execution import core, sql, tracking
 from harvest.execution import effects as fx
 from harvest.execution.observe import Received, notify
 from harvest.execution.tracking import Tracked
 from harvest.execution.writer import Writer
 from harvest.gate import AsyncGate, Gate
+from harvest.service_limits import Announced
 from harvest.usage import Tally
 
 if TYPE_CHECKING:
@@ -38,6 +40,22 @@ log = logging.getLogger("harvest.runner")
 
 T = TypeVar("T")
 CLIENT_IDLE = 300.0  # an HTTP client of a key unused this long is closed
+
+
+@dataclass(slots=True, eq=False)
+class Waiter:
+    """A job of this process waiting for a key of a pool (:meth:`AsyncShell._await_key`)."""
+
+    holder: str
+    cost: int
+    handed: asyncio.Future[Lease | None]  # a lease leased for it, or None: lease on your own
+
+
+def _give_up(queue: collections.deque[Waiter], waiter: Waiter) -> None:
+    """A waiter's time is up: it leases on its own, unless a release is leasing for it."""
+    if waiter in queue and not waiter.handed.done():
+        queue.remove(waiter)
+        waiter.handed.set_result(None)
 
 
 class Stop:
@@ -112,7 +130,7 @@ class AsyncShell:
         self.gate = AsyncGate(gate, redis)
         self.clients = AsyncClients()
         self.tracked: dict[int, Tracked] = {}
-        self._waiting: dict[str, collections.deque[asyncio.Future[None]]] = {}  # by pool
+        self._waiting: dict[str, collections.deque[Waiter]] = {}  # by pool, oldest first
 
     # --- a message ------------------------------------------------------------------------
 
@@ -164,8 +182,8 @@ class AsyncShell:
                 return await self.gate.try_lease(pool, holder, cost)
             case fx.LoadPool(pool):
                 return await self.gate.load_pool(pool)
-            case fx.AwaitKey(pool, seconds):
-                return await self._await_key(pool, seconds)
+            case fx.AwaitKey():
+                return await self._await_key(e)
             case fx.Defer(row):
                 return await self.writer.defer(row)
             case fx.Start(job_id, token):
@@ -181,9 +199,7 @@ class AsyncShell:
             case fx.Finish(row):
                 return await self.writer.finish(row)
             case fx.ReleaseKey(lease, used, succeeded, announced):
-                await self.gate.release(lease, used, succeeded, announced)
-                self._wake_one(lease.pool)
-                return None
+                return await self._release(lease, used, succeeded, announced)
             case fx.CountUsage(call):
                 return self.usage.add(call)
             case fx.Bump(name, n):
@@ -192,35 +208,54 @@ class AsyncShell:
                 return notify(self.app.observers, event)
         raise TypeError(f"unknown effect {e!r}")
 
-    async def _await_key(self, pool: str, seconds: float) -> None:
-        """Sleep until a key of ``pool`` is freed in this process, or ``seconds`` pass. First
-        come, first woken: a freed key wakes one waiter, not all of them (each woken waiter
-        is a lease attempt in Redis; waking hundreds for one key is a stampede)."""
-        freed = asyncio.get_running_loop().create_future()
-        queue = self._waiting.setdefault(pool, collections.deque())
-        queue.append(freed)
+    async def _await_key(self, e: fx.AwaitKey) -> Lease | None:
+        """Wait until a key of the pool is freed in this process, or ``seconds`` pass. First
+        come, first served: a freed key goes to one waiter, leased for it in the release's own
+        round trip (:meth:`_release`), not to all of them (each a lease try in Redis: waking
+        hundreds for one key is a stampede). None: lease on your own."""
+        loop = asyncio.get_running_loop()
+        waiter = Waiter(e.holder, e.cost, loop.create_future())
+        queue = self._waiting.setdefault(e.pool, collections.deque())
+        queue.append(waiter)
+        timer = loop.call_later(e.seconds, _give_up, queue, waiter)
         try:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(freed, seconds)
+            return await waiter.handed
         finally:
-            if not freed.done() or freed.cancelled():
-                with contextlib.suppress(ValueError):
-                    queue.remove(freed)
+            timer.cancel()
 
-    def _wake_one(self, pool: str) -> None:
+    async def _release(
+        self, lease: Lease, used: int | None, succeeded: bool, announced: Announced | None
+    ) -> None:
+        """Give a key back; when a job of this process waits for its pool, lease for it in the
+        same round trip (the slot is taken as it is freed: no idle key between two jobs, no
+        wake-up and second round trip before the waiter's call)."""
+        waiter = self._next_waiter(lease.pool)
+        if waiter is None:
+            await self.gate.release(lease, used, succeeded, announced)
+            return
+        result = await self.gate.release_then_lease(
+            lease, waiter.holder, waiter.cost, used=used, succeeded=succeeded, announced=announced
+        )
+        handed = result if isinstance(result, Lease) else None
+        if not waiter.handed.done():
+            waiter.handed.set_result(handed)
+        elif handed is not None:  # it stopped waiting meanwhile (its task was cancelled)
+            await self.gate.release(handed)
+
+    def _next_waiter(self, pool: str) -> Waiter | None:
         queue = self._waiting.get(pool)
         while queue:
-            freed = queue.popleft()
-            if not freed.done():
-                freed.set_result(None)
-                return
+            waiter = queue.popleft()
+            if not waiter.handed.done():
+                return waiter
+        return None
 
     def wake_all(self) -> None:
         """Wake every job waiting for a key (shutdown: they hand themselves back)."""
         for queue in self._waiting.values():
-            for freed in queue:
-                if not freed.done():
-                    freed.set_result(None)
+            for waiter in queue:
+                if not waiter.handed.done():
+                    waiter.handed.set_result(None)
             queue.clear()
 
     # --- running a handler ----------------------------------------------------------------

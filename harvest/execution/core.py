@@ -166,7 +166,8 @@ def gate(
             why = f"{cost} tokens is more than any key of {_named(pools)} allows per minute"
             return Refused(InvalidCost(why))
         pool, retry = soonest(result)
-        left = deadline - (yield fx.Clock())
+        now = yield fx.Clock()
+        left = deadline - now
         if left <= 0:
             # Back to pending for no longer than it waited here: ``retry`` is a bound (for keys
             # at their concurrency, the earliest lease *expiry*, 20-30 s away while heartbeats
@@ -174,7 +175,10 @@ def gate(
             # when a key can serve it (capacity-aware), so an early return costs nothing.
             delay = max(min(retry, plan.key_wait), MIN_WAIT)
             return Wait(delay, f"no key free in {_named(pools)}")
-        yield fx.AwaitKey(pool, min(retry, left, KEY_POLL))
+        handed = yield fx.AwaitKey(pool, min(retry, left, KEY_POLL), holder, cost)
+        if isinstance(handed, Lease):  # a key this process freed, leased for it as it was freed
+            tracked.key_renewed(now, plan.lease_ttl)  # (sent after ``now``: fresh for less)
+            return handed
 
 
 def _lease_first(

@@ -54,10 +54,14 @@ class LoadPool:
 
 @dataclass(frozen=True, slots=True)
 class AwaitKey:
-    """-> None: wait up to ``seconds``, or less when this process frees a key of ``pool``."""
+    """-> Lease | None: wait up to ``seconds``, or less when this process frees a key of
+    ``pool``. A shell may hand the freed slot over: a lease for ``holder`` (``cost`` tokens
+    reserved), taken in the same round trip as the key's release; None: lease it yourself."""
 
     pool: str
     seconds: float
+    holder: str = ""
+    cost: int = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from sqlalchemy import Engine
 
 from harvest import dispatcher, keystore, store
 from harvest.app import Harvest
-from harvest.coordination.key_pool import KeyPool
+from harvest.coordination.key_pool import AsyncKeyPool, KeyPool
 from harvest.execution import sql
 from harvest.models import JobStatus
 from harvest.runner import Runner
@@ -153,6 +153,33 @@ def test_a_keyed_jobs_key_goes_back_with_the_next_ones_lease_in_one_round_trip(
     assert calls == ["lease", *["release+lease"] * 3, "release"]
     assert len(set(fences)) == 3 and fences == sorted(fences)
     assert [k.live_leases for k in KeyPool(app.redis, FIRST).snapshot()] == [0, 0]
+
+
+def test_an_async_job_waiting_for_a_key_gets_it_in_the_round_trip_that_frees_it(
+    app: Harvest, runner: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More async jobs at once than both pools have slots (8 for 6): those that find every
+    key busy wait, and a job of the same process that gives a key back leases for the
+    longest waiter in the same round trip (release, then lease). Every job runs once, on an
+    attempt of its own, and no lease is left."""
+    calls: list[str] = []
+    for name, label in (("lease", "lease"), ("release", "release"),
+                        ("release_then_lease", "release+lease")):  # fmt: skip
+        real = getattr(AsyncKeyPool, name)
+
+        async def spy(
+            self: AsyncKeyPool, *args: Any, _real: Any = real, _label: str = label, **kw: Any
+        ) -> Any:
+            calls.append(_label)
+            return await _real(self, *args, **kw)
+
+        monkeypatch.setattr(AsyncKeyPool, name, spy)
+    jobs = run(app, runner, "async_fallback_call", 8)
+    assert {(job.status, job.attempts) for job in jobs} == {(JobStatus.SUCCEEDED, 1)}
+    assert "release+lease" in calls
+    assert calls.count("release") + calls.count("release+lease") == 8  # a key back per job
+    for pool in KEYS:
+        assert {k.live_leases for k in KeyPool(app.redis, pool).snapshot()} == {0}
 
 
 def test_a_job_that_took_its_key_ahead_gives_it_back_when_the_message_ends_early(

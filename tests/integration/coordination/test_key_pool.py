@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections import Counter
 
 import pytest
 import redis
+from redis.asyncio import Redis as AsyncRedis
 
 from harvest.coordination import keys
-from harvest.coordination.key_pool import IDLE_RETRY, Busy, KeyPool, KeySpec, Lease
+from harvest.coordination.key_pool import IDLE_RETRY, AsyncKeyPool, Busy, KeyPool, KeySpec, Lease
 from harvest.coordination.rate_limit import Rate, parse_rate
 from harvest.errors import NoKeyAvailable, PoolNotLoaded
 
@@ -200,6 +202,36 @@ def test_release_then_lease_frees_the_key_first_in_one_round_trip(
     freed, fourth = pool.release_then_lease(second, "fourth", 30.0)
     assert freed is True and isinstance(fourth, Lease) and fourth.fence > second.fence
     assert pool.release(fourth) is True
+
+
+def test_the_asyncio_pool_hands_a_key_over_and_renews_after_redis_lost_its_scripts(
+    redis_client: redis.Redis,
+) -> None:
+    """AsyncKeyPool: release-then-lease as the blocking pool does, and a heartbeat round
+    (bare EVALSHAs in one pipeline) that still renews every lease after ``SCRIPT FLUSH``
+    (NOSCRIPT: each script runs again alone, which loads it), and reports a lost one."""
+    make_pool(redis_client, KeySpec(1, 2))
+    where = redis_client.get_connection_kwargs()
+
+    async def scenario() -> tuple[bool, Lease | Busy, list[bool], list[bool]]:
+        client = AsyncRedis(host=where["host"], port=where["port"], db=where["db"])
+        try:
+            pool = AsyncKeyPool(client, "ai")
+            first = await pool.lease("first", 30.0)
+            other = await pool.lease("other", 30.0)
+            assert isinstance(first, Lease) and isinstance(other, Lease)
+            freed, second = await pool.release_then_lease(first, "second", 30.0)
+            assert isinstance(second, Lease)
+            redis_client.script_flush()
+            beats = await pool.heartbeat_many([second, other, first], 30.0)
+            again = await pool.heartbeat_many([second, other], 30.0)
+            return freed, second, beats, again
+        finally:
+            await client.aclose()
+
+    freed, second, beats, again = asyncio.run(scenario())
+    assert freed is True and isinstance(second, Lease) and second.key_id == 1
+    assert beats == [True, True, False] and again == [True, True]
 
 
 def test_heartbeat_keeps_a_lease_alive(redis_client: redis.Redis) -> None:
