@@ -1,6 +1,6 @@
 -- Lease up to N keys from a pool, atomically with one rate permit per lease.
 -- Usable key: not disabled, no cooldown running (a cooling key whose cooldown is over is active
--- again by itself), live leases < max (expired leases are purged here first), and its sliding
+-- again by itself), live leases < max (expired ones are not counted), and its sliding
 -- rate window (now - period, now] holds fewer than rate_n grants, and (when the call declares a
 -- cost and the key a token budget) its token window (now - tpm period, now] holds at most
 -- tpm - cost tokens (reservations of live calls at their declared cost, ended calls at what they
@@ -42,6 +42,7 @@ local cost = tonumber(ARGV[3])
 local retry = -1
 local fits = false -- some key's budget (whatever its status) could hold one such call
 local seen = 0 -- keys with a config
+local live_from = string.format('(%.0f', now) -- a lease is live while its expiry is ahead
 
 local function sooner(wait)
   if retry < 0 or wait < retry then
@@ -67,44 +68,58 @@ local function announced(left, until_us)
   return tonumber(left), until_us
 end
 
+-- A key at its concurrency admits nothing whatever its rate and tokens, which are then not read
+-- (at a full pool that is most keys) unless its wait is needed (see wait_for).
+local load_rest
 local function load_key(id)
-  local c = redis.call('HMGET', prefix .. 'key:' .. id,
-    'max', 'rate_n', 'rate_us', 'status', 'cool_until', 'tpm', 'tpm_us',
-    'eff_max', 'eff_rate', 'ann_req', 'ann_req_until', 'ann_tok', 'ann_tok_until')
+  local config = prefix .. 'key:' .. id
+  local c = redis.call('HMGET', config, 'max', 'status', 'cool_until', 'tpm', 'eff_max')
   if not c[1] then
     return nil
   end
   seen = seen + 1
-  if cost == 0 or (tonumber(c[6]) or 0) == 0 or tonumber(c[6]) >= cost then
+  local tpm = tonumber(c[4]) or 0
+  if cost == 0 or tpm == 0 or tpm >= cost then
     fits = true
   end
-  if c[4] == 'disabled' then
+  if c[2] == 'disabled' then
     return nil
   end
-  local cool = tonumber(c[5]) or 0
+  local cool = tonumber(c[3]) or 0
   if cool > now then
     sooner(cool - now)
     return nil
   end
-  local k = {id = id, max = tonumber(c[1]), rate_n = tonumber(c[2]) or 0,
-    rate_us = tonumber(c[3]) or 0, leases = prefix .. 'leases:' .. id,
-    rate = prefix .. 'rate:' .. id, used = 0, tpm = tonumber(c[6]) or 0,
-    tpm_us = tonumber(c[7]) or 0, tokens = prefix .. 'tokens:' .. id, spent = 0, entries = {},
-    config = prefix .. 'key:' .. id}
-  k.max = learned(k.max, c[8])
-  if k.rate_n > 0 then
-    k.rate_n = learned(k.rate_n, c[9])
-  end
-  k.ann_req, k.ann_req_until = announced(c[10], c[11])
-  k.ann_tok, k.ann_tok_until = announced(c[12], c[13])
-  if cost > 0 and k.tpm > 0 and cost > k.tpm then
+  if cost > 0 and tpm > 0 and cost > tpm then
     return nil -- this key's budget can never hold one such call
   end
-  redis.call('ZREMRANGEBYSCORE', k.leases, '-inf', now)
-  k.live = redis.call('ZCARD', k.leases)
+  local k = {id = id, max = learned(tonumber(c[1]), c[5]), leases = prefix .. 'leases:' .. id,
+    config = config, budget = tpm, rate_n = 0, used = 0, tpm = 0, spent = 0, entries = {}}
+  k.live = redis.call('ZCOUNT', k.leases, live_from, '+inf')
+  if k.live >= k.max then
+    k.partial = true -- see wait_for
+    return k
+  end
+  return load_rest(k)
+end
+
+-- The rest of a key: its rate window, token window and what the service announced.
+load_rest = function(k)
+  k.partial = false
+  local id, config = k.id, k.config
+  local d = redis.call('HMGET', config, 'rate_n', 'rate_us', 'tpm_us', 'eff_rate',
+    'ann_req', 'ann_req_until', 'ann_tok', 'ann_tok_until')
+  k.rate_n, k.rate_us, k.tpm, k.tpm_us = tonumber(d[1]) or 0, tonumber(d[2]) or 0, k.budget,
+    tonumber(d[3]) or 0
+  k.rate, k.tokens = prefix .. 'rate:' .. id, prefix .. 'tokens:' .. id
   if k.rate_n > 0 then
-    redis.call('ZREMRANGEBYSCORE', k.rate, '-inf', now - k.rate_us)
-    k.used = redis.call('ZCARD', k.rate)
+    k.rate_n = learned(k.rate_n, d[4])
+  end
+  k.ann_req, k.ann_req_until = announced(d[5], d[6])
+  k.ann_tok, k.ann_tok_until = announced(d[7], d[8])
+  if k.rate_n > 0 then
+    k.rate_from = string.format('(%.0f', now - k.rate_us)
+    k.used = redis.call('ZCOUNT', k.rate, k.rate_from, '+inf')
   end
   if cost > 0 and k.tpm > 0 then
     redis.call('ZREMRANGEBYSCORE', k.tokens, '-inf', now - k.tpm_us)
@@ -116,6 +131,15 @@ local function load_key(id)
   return k
 end
 
+local function admits(k)
+  return k.live < k.max and (k.rate_n == 0 or k.used < k.rate_n)
+    and (cost == 0 or k.tpm == 0 or k.spent + cost <= k.tpm)
+    and (k.ann_req == nil or k.ann_req > 0)
+    and (k.ann_tok == nil or k.ann_tok >= math.max(cost, 1))
+end
+
+-- The keys, from the cursor on. For one lease, the scan stops at the first idle key that admits
+-- it: none can be less loaded, and ties go to the first in this order anyway.
 local function load_usable()
   local ids = redis.call('ZRANGE', KEYS[2], 0, -1)
   local n = #ids
@@ -128,16 +152,12 @@ local function load_usable()
     local k = load_key(ids[(start + i) % n + 1])
     if k then
       table.insert(found, k)
+      if #ARGV == 4 and k.live == 0 and admits(k) then
+        break
+      end
     end
   end
   return found
-end
-
-local function admits(k)
-  return k.live < k.max and (k.rate_n == 0 or k.used < k.rate_n)
-    and (cost == 0 or k.tpm == 0 or k.spent + cost <= k.tpm)
-    and (k.ann_req == nil or k.ann_req > 0)
-    and (k.ann_tok == nil or k.ann_tok >= math.max(cost, 1))
 end
 
 local function pick(keys)
@@ -157,11 +177,15 @@ local function next_fence()
   return redis.call('INCR', KEYS[4])
 end
 
+-- Expired leases and grants out of the rate window are counted out by score where the keys are
+-- read (ZCOUNT), and removed only from the key granted here: a pool's scan writes nothing.
 local function grant(k, token)
   local fence = next_fence()
+  redis.call('ZREMRANGEBYSCORE', k.leases, '-inf', now)
   redis.call('ZADD', k.leases, now + ttl, token)
   k.live = k.live + 1
   if k.rate_n > 0 then
+    redis.call('ZREMRANGEBYSCORE', k.rate, '-inf', now - k.rate_us)
     redis.call('ZADD', k.rate, now, fence)
     k.used = k.used + 1
   end
@@ -187,11 +211,19 @@ end
 local function wait_for(k)
   local wait = 0
   if k.live >= k.max then
-    local e = redis.call('ZRANGE', k.leases, k.live - k.max, k.live - k.max, 'WITHSCORES')
+    local e = redis.call('ZRANGEBYSCORE', k.leases, live_from, '+inf', 'WITHSCORES',
+      'LIMIT', k.live - k.max, 1)
     wait = tonumber(e[2]) - now
+    if k.partial then
+      if retry >= 0 and wait >= retry then
+        return wait -- its whole wait is no sooner than one already found: not read
+      end
+      load_rest(k)
+    end
   end
   if k.rate_n > 0 and k.used >= k.rate_n then
-    local r = redis.call('ZRANGE', k.rate, k.used - k.rate_n, k.used - k.rate_n, 'WITHSCORES')
+    local r = redis.call('ZRANGEBYSCORE', k.rate, k.rate_from, '+inf', 'WITHSCORES',
+      'LIMIT', k.used - k.rate_n, 1)
     wait = math.max(wait, tonumber(r[2]) + k.rate_us - now)
   end
   if cost > 0 and k.tpm > 0 and k.spent + cost > k.tpm then

@@ -172,6 +172,25 @@ def test_expired_lease_is_reclaimed_without_a_sweeper(redis_client: redis.Redis)
     assert fresh.key_id == 1 and fresh.fence > dead.fence
 
 
+def test_expired_leases_and_old_grants_are_not_counted_and_go_when_the_key_is_granted(
+    redis_client: redis.Redis,
+) -> None:
+    """A lease script counts a key's live leases and its window's grants by score, and
+    removes what expired only from the key it grants: the retry a full key reports is its
+    earliest *live* lease's expiry, and a key's sets never grow past its limits."""
+    pool = make_pool(redis_client, KeySpec(1, 3, Rate(3, 0.5)))
+    lease_ok(pool, "dead", ttl=0.2)
+    held = [lease_ok(pool, "live", ttl=5.0), lease_ok(pool, "live", ttl=4.0)]
+    time.sleep(0.55)  # the dead lease expired, and all three grants left the rate window
+    pool.sync([KeySpec(1, 2, Rate(3, 0.5))])  # full again: 2 live leases of 2
+    assert 3.0 < busy(pool).retry_after <= 4.0  # the 4 s lease, not the expired one
+    leases, rate = keys.pool_key_leases("ai", 1), keys.pool_key_rate("ai", 1)
+    assert redis_client.zcard(leases) == 3 and redis_client.zcard(rate) == 3  # not removed yet
+    pool.release(held.pop())
+    lease_ok(pool, "next")
+    assert redis_client.zcard(leases) == 2 and redis_client.zcard(rate) == 1
+
+
 def test_stale_holder_cannot_release_or_heartbeat(redis_client: redis.Redis) -> None:
     pool = make_pool(redis_client, KeySpec(1, 1))
     stale = lease_ok(pool, "stale", ttl=0.15)
