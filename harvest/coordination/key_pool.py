@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Generic, TypeVar
 
@@ -112,6 +112,13 @@ class _PoolShape(Generic[S]):
             for token, (key, fence, end) in zip(tokens, triples, strict=False)
         ]
 
+    def _lease_from(
+        self, reply: list[Any], tokens: list[str], args: list[Any], cost: int = 0
+    ) -> Lease | Busy:
+        """:meth:`_leases_from` of a call for one lease."""
+        result = self._leases_from(reply, tokens, args, cost)
+        return result if isinstance(result, Busy) else result[0]
+
     def _leases_key(self, lease: Lease) -> str:
         if lease.pool != self.pool:
             raise ValueError(f"lease of pool {lease.pool!r} given to pool {self.pool!r}")
@@ -139,22 +146,20 @@ class _PoolShape(Generic[S]):
             lease.token, lease.fence, lease.cost, -1 if used is None else used, *learn, *said
         ]  # fmt: skip
 
-    def _handoff_calls(
+    def _handoff(
         self, lease: Lease, holder: str, ttl: float, *, used: int | None, succeeded: bool,
         announced: Announced | None, cost: int,
-    ) -> tuple[list[Call], list[str]]:  # fmt: skip
-        """The release of ``lease`` then a lease for ``holder``: the two scripts of
-        ``release_then_lease``, release first (so the lease may take the slot it frees)."""
+    ) -> tuple[list[Call], Callable[[list[Any]], tuple[bool, Lease | Busy]]]:  # fmt: skip
+        """The two scripts of ``release_then_lease`` (the release of ``lease`` first, so the
+        lease for ``holder`` may take the slot it frees), and how their replies read."""
         released = self._release_call(lease, used, succeeded, announced)
         script_keys, args, tokens = self._lease_call(holder, ttl, 1, cost)
-        return [(self._release, *released), (self._lease, script_keys, args)], tokens
 
-    def _handed_off(
-        self, replies: list[Any], calls: list[Call], tokens: list[str], cost: int
-    ) -> tuple[bool, Lease | Busy]:
-        freed, reply = _raised(replies)
-        result = self._leases_from(reply, tokens, list(calls[1][2]), cost)
-        return bool(int(freed)), result if isinstance(result, Busy) else result[0]
+        def read(replies: list[Any]) -> tuple[bool, Lease | Busy]:
+            freed, reply = _raised(replies)
+            return bool(int(freed)), self._lease_from(reply, tokens, args, cost)
+
+        return [(self._release, *released), (self._lease, script_keys, args)], read
 
     def _heartbeat_calls(self, leases: Sequence[Lease], ttl: float) -> list[Call]:
         _check_ttl(ttl)
@@ -272,10 +277,10 @@ class KeyPool(_PoolShape[LuaScript]):
 
         :raises PoolNotLoaded: Redis holds no state for this pool (the release was done).
         """
-        calls, tokens = self._handoff_calls(
+        calls, read = self._handoff(
             lease, holder, ttl, used=used, succeeded=succeeded, announced=announced, cost=cost
         )
-        return self._handed_off(pipelined(self._redis, calls), calls, tokens, cost)
+        return read(pipelined(self._redis, calls))
 
     def acquire(self, holder: str, ttl: float, *, timeout: float, cost: int = 0) -> Lease:
         """Lease a key, waiting up to ``timeout`` seconds.
@@ -418,8 +423,7 @@ class AsyncKeyPool(_PoolShape[AsyncLuaScript]):
     async def lease(self, holder: str, ttl: float, *, cost: int = 0) -> Lease | Busy:
         """See :meth:`KeyPool.lease`. :raises PoolNotLoaded: Redis holds no such pool."""
         script_keys, args, tokens = self._lease_call(holder, ttl, 1, cost)
-        result = self._leases_from(await self._lease.array(script_keys, args), tokens, args, cost)
-        return result if isinstance(result, Busy) else result[0]
+        return self._lease_from(await self._lease.array(script_keys, args), tokens, args, cost)
 
     async def heartbeat_many(self, leases: Sequence[Lease], ttl: float) -> list[bool]:
         """See :meth:`KeyPool.heartbeat_many`."""
@@ -431,10 +435,10 @@ class AsyncKeyPool(_PoolShape[AsyncLuaScript]):
         succeeded: bool = False, announced: Announced | None = None, cost: int = 0,
     ) -> tuple[bool, Lease | Busy]:  # fmt: skip
         """See :meth:`KeyPool.release_then_lease`."""
-        calls, tokens = self._handoff_calls(
+        calls, read = self._handoff(
             lease, holder, ttl, used=used, succeeded=succeeded, announced=announced, cost=cost
         )
-        return self._handed_off(await apipelined(self._redis, calls), calls, tokens, cost)
+        return read(await apipelined(self._redis, calls))
 
     async def release(
         self,
