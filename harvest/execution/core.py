@@ -9,10 +9,16 @@ driven by ``waiting.py``). Every decision about a held job lives here or in
 
     lost while waiting?  ->  unknown name? (defer, no attempt, for a bounded time)
     ->  gate: rate permit, key lease reserving the job's token cost from the first of its pools
-    that can serve (wait up to key_wait, else defer without an attempt)
-    ->  fenced start (a duplicate stops here)  ->  run  ->  decide the outcome  ->  rest or
-    disable the key  ->  fenced finish  ->  release the key, settling its token reservation with
-    what the handler reported (``ctx.used``), and count the call (:mod:`harvest.usage`).
+    that can serve (none free: fenced start, then wait up to key_wait, else step back to
+    pending with the attempt refunded)
+    ->  fenced start, if not begun (a duplicate stops here)  ->  run  ->  decide the outcome
+    ->  rest or disable the key  ->  fenced finish  ->  release the key, settling its token
+    reservation with what the handler reported (``ctx.used``), and count the call
+    (:mod:`harvest.usage`).
+
+A job that must wait for its key starts before it waits, not after: when a key frees, it goes
+straight to the call, with no write to Postgres between the lease and the call (measured: the
+start write was a third of the time a key spent between two calls under load).
 """
 
 from __future__ import annotations
@@ -71,6 +77,14 @@ class Refused:
 
 
 @dataclass(frozen=True, slots=True)
+class NotStarted:
+    """Its start, made before waiting for a key, did not begin an attempt: ``answer`` is None
+    (another delivery started it) or the status it ended in (cancelled before it started)."""
+
+    answer: JobStatus | None
+
+
+@dataclass(frozen=True, slots=True)
 class Wait:
     """The gate is closed for now: try again after ``seconds``."""
 
@@ -99,6 +113,8 @@ def attempt(
         return ("deferred",)
     cost, bad_cost = token_cost(spec, payload)
     passed = (yield from gate(spec, tracked, plan, cost)) if spec and not bad_cost else None
+    if isinstance(passed, NotStarted):
+        return (yield from _not_started(passed.answer))
     if isinstance(passed, Refused):
         bad_cost, passed = passed.error, None
     if tracked.handing_back and not isinstance(passed, Wait):
@@ -132,7 +148,7 @@ def token_cost(
 
 def gate(
     spec: JobSpec, tracked: Tracked, plan: Plan, cost: int = 0
-) -> Generator[fx.Effect, Any, Lease | Wait | Refused | None]:
+) -> Generator[fx.Effect, Any, Lease | Wait | Refused | NotStarted | None]:
     """The job's rate permit, then a key lease with ``cost`` tokens reserved on it within
     ``plan.key_wait`` seconds (None: it needs neither; Refused: a cost above every key's token
     budget in every one of its pools). A pool Redis lost is rebuilt from Postgres once, then
@@ -140,10 +156,13 @@ def gate(
 
     A job may name several pools (fallback pools): each pass tries them in order and the first
     that leases a key serves; one that cannot (its keys all disabled, cooling or busy) is
-    passed over at once. All of this happens before the attempt is counted, so falling back
-    uses no attempt; and since every pass starts from the first pool, jobs go back to it as
-    soon as it can serve again. See :func:`_lease_first` for why the tries are separate
-    scripts."""
+    passed over at once. Falling back uses no attempt of its own; and since every pass starts
+    from the first pool, jobs go back to it as soon as it can serve again. See
+    :func:`_lease_first` for why the tries are separate scripts.
+
+    A job that finds no key free starts its attempt before it waits (:func:`_start`), so that
+    the key it gets goes straight to its call; if none comes within ``key_wait`` it steps back
+    to pending with its attempt refunded (:func:`_defer`)."""
     if spec.rate_limit is not None:
         wait = yield fx.RatePermit(spec)
         if wait:
@@ -175,10 +194,32 @@ def gate(
             # when a key can serve it (capacity-aware), so an early return costs nothing.
             delay = max(min(retry, plan.key_wait), MIN_WAIT)
             return Wait(delay, f"no key free in {_named(pools)}")
-        handed = yield fx.AwaitKey(pool, min(retry, left, KEY_POLL), holder, cost)
+        if tracked.started is None:
+            answer = yield from _start(tracked)
+            if answer is not None:
+                return answer
+            now = yield fx.Clock()
+            left = deadline - now
+        handed = yield fx.AwaitKey(pool, min(retry, max(left, 0.0), KEY_POLL), holder, cost)
         if isinstance(handed, Lease):  # a key this process freed, leased for it as it was freed
             tracked.key_renewed(now, plan.lease_ttl)  # (sent after ``now``: fresh for less)
             return handed
+
+
+def _start(tracked: Tracked) -> Generator[fx.Effect, Any, NotStarted | None]:
+    """The fenced start of its attempt (``tracked.started``); NotStarted when none began."""
+    answer = yield fx.Start(tracked.job_id, tracked.token)
+    if not isinstance(answer, Started):
+        return NotStarted(answer)
+    tracked.started, tracked.attempt = answer, answer.attempt
+    return None
+
+
+def _not_started(answer: JobStatus | None) -> Generator[fx.Effect, Any, tuple[str, ...]]:
+    if answer is None:  # another delivery of this message started it meanwhile
+        yield fx.Bump(DUPLICATES)
+        return ("suppressed",)
+    return ()  # its cancellation was requested before it started
 
 
 def _lease_first(
@@ -229,13 +270,16 @@ def _started(
     bad_cost: BaseException | None = None,
 ) -> Generator[fx.Effect, Any, tuple[str, ...]]:
     lease = held[0] if held else None
-    started = yield fx.Start(tracked.job_id, tracked.token)
-    if started is None:  # another delivery of this message started it meanwhile
-        yield fx.Bump(DUPLICATES)
-        return ("suppressed",)
-    if not isinstance(started, Started):  # its cancellation was requested before it started
-        return ()
-    tracked.attempt = started.attempt
+    if tracked.started is None:
+        answer = yield from _start(tracked)
+        if answer is not None:
+            return (yield from _not_started(answer.answer))
+    started = tracked.started
+    assert started is not None
+    if tracked.lost:  # taken back while it waited for its key: no call
+        tracking.report_lost(tracked)
+        yield fx.Bump(LOST)
+        return ("started", "lost")
     tracked.key_lease = lease
     secret = (yield fx.Secret(lease)) if lease is not None else None
     yield fx.Notify(AttemptStarted(started, plan.worker, time.time()))
@@ -243,6 +287,8 @@ def _started(
         result = fx.HandlerResult(error=UnknownJob(started.name, list(plan.known)))
     elif bad_cost is not None:  # its cost function failed: no call (an attempt is counted)
         result = fx.HandlerResult(error=bad_cost)
+    elif tracked.cancel.is_set():  # cancelled while it waited for its key: no call
+        result = fx.HandlerResult(cancelled=True)
     else:
         tracked.ran = True
         result = yield fx.RunHandler(started, spec, tracked, lease, secret)
@@ -376,7 +422,8 @@ def _defer(
     tracked: Tracked, delay: float, reason: str | None, plan: Plan, *, why: str | None = None
 ) -> Generator[fx.Effect, Any, bool]:
     tracked.finishing = True  # a deferral ends its hold here: as for a finish, see above
-    ok = bool((yield fx.Defer(sql.Defer(tracked.job_id, tracked.token, delay, reason))))
+    begun = tracked.started is not None
+    ok = bool((yield fx.Defer(sql.Defer(tracked.job_id, tracked.token, delay, reason, begun))))
     if ok:
         event = Deferred(
             tracked.job_id, tracked.name, tracked.attempt, delay, why or reason or "", plan.worker

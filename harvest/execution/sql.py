@@ -285,42 +285,48 @@ def finish_then_start(
     return Query(_FINISH_THEN_START, params, parse)
 
 
+# A job that started and then found no key steps back: its attempt is refunded.
 _DEFER = f"""
     UPDATE harvest_jobs AS j
     SET status = CASE WHEN j.cancel_requested THEN 'cancelled' ELSE 'pending' END,
         finished_at = CASE WHEN j.cancel_requested THEN now() END,
         lease_token = NULL, lease_expires_at = NULL,
+        attempts = j.attempts - CASE WHEN d.started THEN 1 ELSE 0 END,
         deferred_since = COALESCE(j.deferred_since, now()),
         last_error = COALESCE(d.reason, j.last_error),
         run_at = now() + make_interval(secs => d.delay)
-    FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(delays)s::float8[], %(reasons)s::text[])
-         AS d(id, token, delay, reason)
+    FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[], %(delays)s::float8[], %(reasons)s::text[],
+                %(started)s::boolean[])
+         AS d(id, token, delay, reason, started)
     WHERE j.id = d.id AND j.lease_token = d.token
-      AND {_in("dispatched")}
+      AND {_in("dispatched", "running")} AND (j.status = 'running') = d.started
     RETURNING j.id
 """
 
 
 @dataclass(frozen=True, slots=True)
 class Defer:
-    """A held job that goes back to pending without starting."""
+    """A held job that goes back to pending without running its handler."""
 
     job_id: int
     token: uuid.UUID
     delay: float
     reason: str | None = None  # kept as its last error (None: the last error is kept)
+    started: bool = False  # it started (to wait for its key): the attempt is refunded
 
 
 def defer(rows: Sequence[Defer]) -> Query[set[int]]:
-    """Held jobs that could not start (no key or permit within a short wait, an unknown job
+    """Held jobs that could not run (no key or permit within a short wait, an unknown job
     name, a worker shutting down) go back to pending after their delay, without counting an
-    attempt and without holding a worker (or end cancelled, when cancellation was requested).
-    ``deferred_since`` remembers when the first of a run of deferrals happened."""
+    attempt and without holding a worker (or end cancelled, when cancellation was requested);
+    one that had started to wait for its key gets its attempt back. ``deferred_since``
+    remembers when the first of a run of deferrals happened."""
     params = {
         "ids": [r.job_id for r in rows],
         "tokens": [r.token for r in rows],
         "delays": [float(r.delay) for r in rows],
         "reasons": [r.reason for r in rows],
+        "started": [r.started for r in rows],
     }
     return Query(_DEFER, params, lambda found: {int(r.id) for r in found})
 

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from harvest.jobs import Started
 from harvest.service_limits import Announced, announced
 
 log = logging.getLogger("harvest.heartbeat")
@@ -29,6 +30,7 @@ class Tracked:
     token: uuid.UUID
     name: str = ""
     attempt: int = 0  # the attempt it is (or will be, once started)
+    started: Started | None = None  # its attempt, once begun (before its key, when it waits)
     deadline: float = math.inf  # monotonic; a blocking handler past it means a wedged process
     cancel: threading.Event = field(default_factory=threading.Event)
     lost: bool = False  # its lease was taken back: its outcome will be dropped

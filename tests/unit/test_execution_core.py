@@ -143,21 +143,80 @@ def test_the_keys_fault_rests_or_disables_the_key_and_uses_no_attempt(
     assert order.index(effect) < order.index(fx.ReleaseKey) < order.index(fx.Finish)
 
 
-def test_no_key_within_key_wait_defers_without_an_attempt() -> None:
-    s = Script(LeaseKey=lambda e: Busy(0.3), Defer=lambda e: True)
+def test_no_key_within_key_wait_steps_back_with_its_attempt_refunded() -> None:
+    s = Script(Start=lambda e: started(), LeaseKey=lambda e: Busy(0.3), Defer=lambda e: True)
     assert s.run(core.attempt(tracked(), spec(pool="p"), PLAN)) == ("deferred",)
-    assert not s.of(fx.Start)
+    assert len(s.of(fx.Start)) == 1  # started once, before it waited
     assert len(s.of(fx.LeaseKey)) == 5  # tried every 0.25 s for key_wait = 1 s
+    (defer,) = s.of(fx.Defer)
+    assert defer.row.started  # the statement refunds the attempt begun for the wait
     assert [type(n.event) for n in s.of(fx.Notify)] == [Deferred]
+    assert not s.of(fx.RunHandler)
+
+
+def test_a_job_that_waits_for_its_key_starts_first_and_goes_straight_to_its_call() -> None:
+    answers = iter([Busy(0.3), Busy(0.3), lease()])
+    s = Script(Start=lambda e: started(), LeaseKey=lambda e: next(answers),
+               RunHandler=lambda e: fx.HandlerResult(value=1), Finish=lambda e: True)  # fmt: skip
+    assert s.run(core.attempt(tracked(), spec(pool="p"), PLAN)) == ("started",)
+    order = [type(e) for e in s.seen]
+    assert order.count(fx.Start) == 1
+    assert order.index(fx.Start) < order.index(fx.AwaitKey)
+    granted = len(order) - 1 - order[::-1].index(fx.LeaseKey)
+    between = order[granted + 1 : order.index(fx.RunHandler)]
+    assert fx.Start not in between and fx.Finish not in between  # no write between key and call
+
+
+def test_a_job_that_gets_a_key_at_once_starts_after_the_lease() -> None:
+    s = Script(Start=lambda e: started(), LeaseKey=lambda e: lease(),
+               RunHandler=lambda e: fx.HandlerResult(value=1), Finish=lambda e: True)  # fmt: skip
+    assert s.run(core.attempt(tracked(), spec(pool="p"), PLAN)) == ("started",)
+    order = [type(e) for e in s.seen]
+    assert order.index(fx.LeaseKey) < order.index(fx.Start) and fx.AwaitKey not in order
+
+
+def test_a_duplicate_found_when_it_starts_to_wait_for_a_key_stops_there() -> None:
+    s = Script(Start=lambda e: None, LeaseKey=lambda e: Busy(0.3))
+    assert s.run(core.attempt(tracked(), spec(pool="p"), PLAN)) == ("suppressed",)
+    assert [b.name for b in s.of(fx.Bump)] == [core.DUPLICATES]
+    assert not s.of(fx.AwaitKey) and not s.of(fx.Defer) and not s.of(fx.RunHandler)
+
+
+@pytest.mark.parametrize("what", ["cancelled", "lost"])
+def test_a_job_cancelled_or_lost_while_it_waited_for_its_key_makes_no_call(what: str) -> None:
+    t = tracked()
+    tries: list[int] = []
+
+    def after_a_wait(e: Any) -> Any:
+        tries.append(1)
+        if len(tries) == 1:
+            return Busy(0.3)
+        if what == "cancelled":
+            t.cancel.set()  # the heartbeat saw the request while it waited
+        else:
+            t.lost = True  # the heartbeat found its lease gone
+        return lease()
+
+    s = Script(Start=lambda e: started(), LeaseKey=after_a_wait, Finish=lambda e: True)
+    counts = s.run(core.attempt(t, spec(pool="p"), PLAN))
+    assert s.of(fx.AwaitKey)  # it did wait
+    assert not s.of(fx.RunHandler) and not s.of(fx.CountUsage)
+    assert [r.used for r in s.of(fx.ReleaseKey)] == [0]  # its key back, nothing used
+    if what == "cancelled":
+        assert counts == ("started",)
+        assert s.of(fx.Finish)[0].row.status is JobStatus.CANCELLED
+    else:
+        assert counts == ("started", "lost") and not s.of(fx.Finish)
 
 
 def test_a_deferral_for_busy_keys_lasts_no_longer_than_the_wait() -> None:
     # Keys at their concurrency answer the earliest lease expiry (25 s), where a call may end
     # any moment: the job is back in key_wait at most, not behind 25 s of the queue.
-    s = Script(LeaseKey=lambda e: Busy(25.0), Defer=lambda e: True)
+    s = Script(Start=lambda e: started(), LeaseKey=lambda e: Busy(25.0), Defer=lambda e: True)
     assert s.run(core.attempt(tracked(), spec(pool="p"), PLAN)) == ("deferred",)
     assert s.of(fx.Defer)[0].row.delay == PLAN.key_wait
-    short = Script(LeaseKey=lambda e: Busy(0.3), Defer=lambda e: True)
+    short = Script(Start=lambda e: started(), LeaseKey=lambda e: Busy(0.3),
+                   Defer=lambda e: True)  # fmt: skip
     short.run(core.attempt(tracked(), spec(pool="p"), PLAN))
     assert short.of(fx.Defer)[0].row.delay == 0.3  # a sooner bound is kept
 
