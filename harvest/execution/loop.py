@@ -10,6 +10,7 @@ finished; the room is given back as it ends.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import threading
 from collections import Counter
@@ -68,6 +69,18 @@ class Room:
             self._cond.notify_all()
 
 
+def settle_garbage_collector() -> None:
+    """Move what the process holds once it is set up (its modules, the app, engines and pools:
+    hundreds of thousands of objects that live as long as the process) out of the cyclic
+    collector's sight (``gc.freeze``), after one collection of what setting up left behind.
+    Each full collection walked all of them on the thread that runs the loop, and every job's
+    round trips waited behind it: measured in the huge goodput case, pauses of up to 300 ms and
+    3.5 s of a 40 s run spent collecting (frozen: 1.8 s). What jobs create is collected as
+    before."""
+    gc.collect()
+    gc.freeze()
+
+
 class AsyncRuntime:
     """The process's event loop, in a thread of its own, and everything that lives on it."""
 
@@ -80,6 +93,7 @@ class AsyncRuntime:
         self._thread = threading.Thread(target=self._run, name="harvest-loop", daemon=True)
         self._thread.start()
         self.call(self._setup(), timeout=30.0)
+        settle_garbage_collector()
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)

@@ -4,6 +4,7 @@ cancellable while they run, fenced like any job, and unknown names deferred with
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Callable
@@ -43,6 +44,15 @@ def test_async_jobs_of_one_message_run_at_once_each_once(
     assert took < 10  # one after another would take 30 s
     assert all(effect_count(effects, i) == 1 for i in ids)
     assert {job_row(effects, i).status for i in ids} == {JobStatus.SUCCEEDED}
+
+
+def test_the_event_loop_starts_with_what_the_process_holds_frozen_out_of_the_collector(
+    app: Harvest, runner: Runner, effects: Engine
+) -> None:
+    gc.unfreeze()  # (an earlier test's runtime may have frozen this test process already)
+    app.enqueue_many("async_effect", [{"seconds": 0.01}])
+    assert runner.execute(body(claim_all(effects)))["started"] == 1
+    assert gc.get_freeze_count() > 10_000  # modules, the app, its engines: not walked again
 
 
 def test_the_same_async_message_twice_runs_each_job_once(
