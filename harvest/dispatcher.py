@@ -203,20 +203,51 @@ def _nudge_expires(app: Harvest) -> float:
     return time.monotonic() + max(0, int(ttl_ms)) / 1000
 
 
-PREFETCH = 0.1  # of a pool's serving concurrency: jobs sent ahead to wait at the gate
-PREFETCH_MAX = 64
+PREFETCH = 0.5  # of a pool's serving concurrency: jobs sent ahead to wait at the gate
+PREFETCH_MAX = 512
 
 
-def pool_budget(states: Sequence[KeyState], waiting: int) -> int:
-    """How many more jobs of one pool to send now: the leases its keys could grant now, plus a
-    few sent ahead (a tenth of the concurrency of the keys that can serve, at most
-    ``PREFETCH_MAX``) so that a job is already waiting at the gate when a key frees (a release
-    in the same process hands the key over at once), less the jobs sent and not started.
-    The gate, not this number, keeps every key within its limits."""
+def pool_budget(
+    states: Sequence[KeyState],
+    in_flight: int,
+    *,
+    run_seconds: float | None = None,
+    key_wait: float | None = None,
+    batch: int = 1,
+) -> int:
+    """How many more jobs of one pool to send now: the leases its keys could grant now, plus
+    some sent ahead (:func:`ahead`) so that a job is already waiting at the gate when a key
+    frees (a release in the same process hands the key over at once), less the jobs that wait
+    for a key: of the pool's jobs dispatched or running (``in_flight``), those beyond its live
+    leases (sent and not started, or started and waiting at the gate). The gate, not this
+    number, keeps every key within its limits.
+
+    While jobs wait, the pool is topped up only once ``batch`` (a message's jobs, at most a
+    quarter of those sent ahead) can go: topping up the few slots freed since the last round
+    made messages of one to four jobs under load (half of them in the huge goodput case), and
+    the per-message cost is what Celery pays most; the jobs still waiting cover the rest."""
     free = sum(state.available for state in states)
+    waiting = max(0, in_flight - sum(state.live_leases for state in states))
     serving = sum(state.max_concurrency for state in states if state.serving)
-    ahead = min(PREFETCH_MAX, math.ceil(serving * PREFETCH))
-    return max(0, free + ahead - waiting)
+    sent_ahead = ahead(serving, run_seconds, key_wait)
+    budget = max(0, free + sent_ahead - waiting)
+    refill = min(batch, max(1, sent_ahead // 4))
+    return budget if budget >= refill or not waiting else 0
+
+
+def ahead(serving: int, run_seconds: float | None, key_wait: float | None) -> int:
+    """Jobs of a pool sent ahead of its free keys: half its serving concurrency, at most
+    ``PREFETCH_MAX``, and no more than its keys free up in half of ``key_wait`` at the jobs'
+    recent run time (``run_seconds``; unknown: not bounded by it), so that a job sent ahead
+    gets a key before its wait runs out rather than going back to pending. Under load the jobs
+    between dispatch and the gate (claimed, in the broker, being held), those writing their
+    ending (running, their key given back) and the waiters spread over several processes all
+    come out of it: a tenth, at most 64, left keys of the huge goodput case idle between
+    calls. The worker's room (``HARVEST_ASYNC_CONCURRENCY``) bounds how many wait in it."""
+    n = min(PREFETCH_MAX, math.ceil(serving * PREFETCH))
+    if key_wait is not None and run_seconds is not None and run_seconds > 0:
+        n = min(n, math.ceil(serving * key_wait / 2 / run_seconds))
+    return n
 
 
 def pool_budgets(app: Harvest, conn: Connection) -> dict[str, int]:
@@ -227,12 +258,25 @@ def pool_budgets(app: Harvest, conn: Connection) -> dict[str, int]:
     routes = sorted({spec.pool for spec in app.jobs.values() if spec.pool})
     if not routes:
         return {}
-    waiting = store.dispatched_by_pool(conn, routes)
+    in_flight = store.in_flight_by_pool(conn, routes)
     states = {pool: _pool_states(app, pool) for route in routes for pool in fallback.pools(route)}
+    runs = _RUN_TIMES.get(app, conn, ())  # as known (refreshed every 2 s): no read per round
     budgets = {}
     for route in routes:
         known = [state for pool in fallback.pools(route) for state in states[pool]]
-        budgets[route] = pool_budget(known, waiting_for(route, waiting)) if known else 0
+        names = [spec.name for spec in app.jobs.values() if spec.pool == route]
+        slowest = max((runs[n] for n in names if n in runs), default=None)
+        budgets[route] = (
+            pool_budget(
+                known,
+                waiting_for(route, in_flight),
+                run_seconds=slowest,
+                key_wait=app.settings.key_wait,
+                batch=app.settings.max_jobs_per_message,
+            )
+            if known
+            else 0
+        )
     return budgets
 
 
@@ -250,11 +294,11 @@ def _pool_states(app: Harvest, pool: str) -> list[KeyState]:
         return []
 
 
-def waiting_for(route: str, waiting: Mapping[str, int]) -> int:
-    """Jobs dispatched, not started, that may take a key of one of ``route``'s pools: those
-    of every route sharing a pool with it (for one pool alone: that pool's own)."""
+def waiting_for(route: str, in_flight: Mapping[str, int]) -> int:
+    """Jobs in flight that hold or may take a key of one of ``route``'s pools: those of every
+    route sharing a pool with it (for one pool alone: that pool's own)."""
     mine = set(fallback.pools(route))
-    return sum(n for other, n in waiting.items() if mine.intersection(fallback.pools(other)))
+    return sum(n for other, n in in_flight.items() if mine.intersection(fallback.pools(other)))
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from harvest.jobs import Job  # the value store reads return (store.Job in annot
 from harvest.store.claim import (
     aging_share,
     claim_due,
-    dispatched_by_pool,
+    in_flight_by_pool,
     inflight,
     recent_run_seconds,
 )
@@ -133,7 +133,6 @@ __all__ = [
     "delete_failed_many",
     "delete_schedule",
     "depth",
-    "dispatched_by_pool",
     "empty_tables",
     "find_by_idempotency_key",
     "finish",
@@ -144,6 +143,7 @@ __all__ = [
     "get_schedule",
     "heartbeat",
     "hold",
+    "in_flight_by_pool",
     "inflight",
     "insert_batch",
     "insert_job",

@@ -22,18 +22,19 @@ def inflight(conn: Connection) -> int:
     return int(conn.execute(_INFLIGHT).scalar_one())
 
 
-_WAITING_FOR_KEYS = text(
+_IN_FLIGHT_BY_POOL = text(
     """
     SELECT pool, count(*) AS n FROM harvest_jobs
-    WHERE status = 'dispatched' AND pool = ANY(:pools)
+    WHERE status IN ('dispatched', 'running') AND pool = ANY(:pools)
     GROUP BY pool
     """
 )
 
 
-def dispatched_by_pool(conn: Connection, pools: Sequence[str]) -> dict[str, int]:
-    """Jobs of each pool dispatched but not started yet: they will each need a key."""
-    rows = conn.execute(_WAITING_FOR_KEYS, {"pools": list(pools)})
+def in_flight_by_pool(conn: Connection, pools: Sequence[str]) -> dict[str, int]:
+    """Jobs of each pool dispatched or running: each holds a key of it, or will need one (sent
+    and not started, or started and waiting at the gate for a key to free)."""
+    rows = conn.execute(_IN_FLIGHT_BY_POOL, {"pools": list(pools)})
     return {r.pool: int(r.n) for r in rows}
 
 

@@ -37,7 +37,7 @@ def test_dispatch_respects_pool_capacity(
     report = dispatcher.dispatch(app)
     published = app.broker.published  # type: ignore[attr-defined]
     assert set(plain) <= set(published)  # jobs without a pool are not held back
-    # two keys of concurrency 1, and one sent ahead to wait at the gate (a tenth, rounded up)
+    # two keys of concurrency 1, and one sent ahead to wait at the gate (half, rounded up)
     assert len(set(keyed) & set(published)) == 3
     assert report.claimed == 13
 

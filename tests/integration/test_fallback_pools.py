@@ -17,7 +17,7 @@ from sqlalchemy import Engine
 
 from harvest import dispatcher, keystore, store
 from harvest.app import Harvest
-from harvest.coordination.key_pool import AsyncKeyPool, KeyPool
+from harvest.coordination.key_pool import AsyncKeyPool, KeyPool, Lease
 from harvest.execution import sql
 from harvest.models import JobStatus
 from harvest.runner import Runner
@@ -220,10 +220,25 @@ def test_dispatch_counts_the_pools_together(app: Harvest) -> None:
     ids = app.enqueue_many("fallback_call", [{}] * 30)
     dispatcher.dispatch(app)
     published = app.broker.published  # type: ignore[attr-defined]
-    # three keys of concurrency 2 over both pools, and one sent ahead (a tenth, rounded up)
-    assert len(set(ids) & set(published)) == 7
+    # three keys of concurrency 2 over both pools, and three sent ahead (half)
+    assert len(set(ids) & set(published)) == 9
     dispatcher.dispatch(app)  # none has started: nothing more for the pair
-    assert len(set(ids) & set(app.broker.published)) == 7  # type: ignore[attr-defined]
+    assert len(set(ids) & set(app.broker.published)) == 9  # type: ignore[attr-defined]
+
+
+def test_dispatch_counts_a_job_started_and_waiting_for_a_key_as_waiting(app: Harvest) -> None:
+    disable(app)  # the second pool's one key of concurrency 2 serves, and one is sent ahead
+    ids = app.enqueue_many("fallback_call", [{}] * 30)
+    dispatcher.dispatch(app)
+    assert len(set(ids) & set(app.broker.published)) == 3  # type: ignore[attr-defined]
+    with app.engine.begin() as conn:  # all three start: two take the key's slots, one waits
+        pairs = [(int(r.id), r.lease_token) for r in conn.exec_driver_sql(
+            "SELECT id, lease_token FROM harvest_jobs WHERE status = 'dispatched'")]  # fmt: skip
+        assert len(sql.run(conn, sql.start(pairs, ttl=60.0, worker="w"))) == 3
+    pool = KeyPool(app.redis, SECOND)
+    assert all(isinstance(pool.lease(f"w:{i}", 60.0), Lease) for i, _ in pairs[:2])
+    dispatcher.dispatch(app)  # no key free, and the one sent ahead is at the gate already
+    assert len(set(ids) & set(app.broker.published)) == 3  # type: ignore[attr-defined]
 
 
 def test_dispatch_counts_only_the_pools_that_can_serve(app: Harvest) -> None:
