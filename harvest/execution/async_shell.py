@@ -136,6 +136,7 @@ class AsyncShell:
 
     def track(self, pair: sql.Pair, held: sql.Held) -> Tracked:
         tracked = Tracked(pair[0], pair[1], held.name, held.attempts + 1)
+        tracked.max_attempts = held.max_attempts
         self.tracked[tracked.job_id] = tracked
         event = Received(pair[0], held.name, held.attempts + 1, self.plan.worker)
         notify(self.app.observers, event)

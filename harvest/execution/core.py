@@ -160,9 +160,9 @@ def gate(
     from the first pool, jobs go back to it as soon as it can serve again. See
     :func:`_lease_first` for why the tries are separate scripts.
 
-    A job that finds no key free starts its attempt before it waits (:func:`_start`), so that
-    the key it gets goes straight to its call; if none comes within ``key_wait`` it steps back
-    to pending with its attempt refunded (:func:`_defer`)."""
+    A job that finds no key free starts its attempt before it waits (:func:`_start`; not its
+    last one), so that the key it gets goes straight to its call; if none comes within
+    ``key_wait`` it steps back to pending with its attempt refunded (:func:`_defer`)."""
     if spec.rate_limit is not None:
         wait = yield fx.RatePermit(spec)
         if wait:
@@ -194,8 +194,8 @@ def gate(
             # when a key can serve it (capacity-aware), so an early return costs nothing.
             delay = max(min(retry, plan.key_wait), MIN_WAIT)
             return Wait(delay, f"no key free in {_named(pools)}")
-        if tracked.started is None:
-            answer = yield from _start(tracked)
+        if tracked.started is None and tracked.attempt < tracked.max_attempts:
+            answer = yield from _start(tracked)  # (a last attempt waits unstarted: see _start)
             if answer is not None:
                 return answer
             now = yield fx.Clock()
@@ -207,7 +207,11 @@ def gate(
 
 
 def _start(tracked: Tracked) -> Generator[fx.Effect, Any, NotStarted | None]:
-    """The fenced start of its attempt (``tracked.started``); NotStarted when none began."""
+    """The fenced start of its attempt (``tracked.started``); NotStarted when none began.
+
+    Before a wait for a key only while attempts remain after this one: a job on its last
+    attempt waits unstarted, as rescue fails a running job that has used its attempts, and a
+    worker killed during the wait must not fail a job that never called."""
     answer = yield fx.Start(tracked.job_id, tracked.token)
     if not isinstance(answer, Started):
         return NotStarted(answer)

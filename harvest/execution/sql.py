@@ -95,7 +95,7 @@ _HOLD = f"""
     FROM unnest(%(ids)s::bigint[], %(tokens)s::uuid[]) AS m(id, token)
     WHERE j.id = m.id AND j.lease_token = m.token
       AND {_in("dispatched")}
-    RETURNING j.id, j.name, j.attempts, j.payload,
+    RETURNING j.id, j.name, j.attempts, j.max_attempts, j.payload,
               extract(epoch FROM now() - j.deferred_since) AS deferred_for
 """
 
@@ -108,6 +108,7 @@ class Held:
     attempts: int
     deferred_for: float | None = None  # seconds since a run of deferrals began (None: none)
     payload: dict[str, Any] | None = None  # what a job's token cost is worked out from
+    max_attempts: int = 0  # its attempts allowed (0: not known)
 
 
 def _held(rows: list[Any]) -> dict[int, Held]:
@@ -117,6 +118,7 @@ def _held(rows: list[Any]) -> dict[int, Held]:
             int(r.attempts),
             float(r.deferred_for) if r.deferred_for is not None else None,
             r.payload,
+            int(r.max_attempts),
         )
         for r in rows
     }

@@ -188,6 +188,7 @@ class SyncShell:
 
     def track(self, pair: sql.Pair, held: sql.Held) -> Tracked:
         tracked = Tracked(pair[0], pair[1], held.name, held.attempts + 1)
+        tracked.max_attempts = held.max_attempts
         self.heartbeat.track(tracked)
         notify(
             self.app.observers, Received(pair[0], held.name, held.attempts + 1, self.plan.worker)

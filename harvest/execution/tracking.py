@@ -31,6 +31,7 @@ class Tracked:
     name: str = ""
     attempt: int = 0  # the attempt it is (or will be, once started)
     started: Started | None = None  # its attempt, once begun (before its key, when it waits)
+    max_attempts: int = 0  # attempts it is allowed (0: not known)
     deadline: float = math.inf  # monotonic; a blocking handler past it means a wedged process
     cancel: threading.Event = field(default_factory=threading.Event)
     lost: bool = False  # its lease was taken back: its outcome will be dropped

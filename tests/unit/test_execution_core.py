@@ -66,7 +66,7 @@ class Script:
 
 
 def tracked() -> tracking.Tracked:
-    return tracking.Tracked(7, TOKEN, "j", 1)
+    return tracking.Tracked(7, TOKEN, "j", 1, max_attempts=3)
 
 
 def lease(key: int = 1) -> Lease:
@@ -165,6 +165,19 @@ def test_a_job_that_waits_for_its_key_starts_first_and_goes_straight_to_its_call
     granted = len(order) - 1 - order[::-1].index(fx.LeaseKey)
     between = order[granted + 1 : order.index(fx.RunHandler)]
     assert fx.Start not in between and fx.Finish not in between  # no write between key and call
+
+
+def test_a_job_on_its_last_attempt_waits_for_its_key_unstarted() -> None:
+    # rescue fails a running job that used its attempts: a worker killed while this one waits
+    # must not fail it, since it never called
+    t = tracked()
+    t.attempt = 3
+    answers = iter([Busy(0.3), lease()])
+    s = Script(Start=lambda e: started(3), LeaseKey=lambda e: next(answers),
+               RunHandler=lambda e: fx.HandlerResult(value=1), Finish=lambda e: True)  # fmt: skip
+    assert s.run(core.attempt(t, spec(pool="p"), PLAN)) == ("started",)
+    order = [type(e) for e in s.seen]
+    assert order.index(fx.AwaitKey) < order.index(fx.Start)
 
 
 def test_a_job_that_gets_a_key_at_once_starts_after_the_lease() -> None:

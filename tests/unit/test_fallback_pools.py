@@ -109,7 +109,7 @@ def answers(**by_pool: Any) -> Any:
 
 
 def gate(script: Script, job: JobSpec | None = None) -> Any:
-    t = tracking.Tracked(7, uuid.uuid4(), "j", 1)
+    t = tracking.Tracked(7, uuid.uuid4(), "j", 1, max_attempts=3)
     script.answers.setdefault("Start", lambda e: started())  # a job that waits starts first
     return script.run(core.gate(job or spec(), t, PLAN))
 
@@ -142,7 +142,7 @@ def test_the_first_pool_is_used_again_as_soon_as_it_can_serve() -> None:
 def test_no_pool_within_key_wait_steps_back_with_its_attempt_refunded() -> None:
     s = Script(LeaseKey=answers(first=Busy(1.0), second=Busy(0.3)), Defer=lambda e: True,
                Start=lambda e: started())  # fmt: skip
-    t = tracking.Tracked(7, uuid.uuid4(), "j", 1)
+    t = tracking.Tracked(7, uuid.uuid4(), "j", 1, max_attempts=3)
     assert s.run(core.attempt(t, spec(), PLAN)) == ("deferred",)
     assert s.of(fx.Defer)[0].row.started  # the attempt begun for the wait is refunded
     assert "no key free in pools 'first', 'second'" in s.of(fx.Notify)[0].event.reason
