@@ -135,8 +135,7 @@ class AsyncShell:
     # --- a message ------------------------------------------------------------------------
 
     def track(self, pair: sql.Pair, held: sql.Held) -> Tracked:
-        tracked = Tracked(pair[0], pair[1], held.name, held.attempts + 1)
-        tracked.max_attempts = held.max_attempts
+        tracked = Tracked.of(pair, held)
         self.tracked[tracked.job_id] = tracked
         event = Received(pair[0], held.name, held.attempts + 1, self.plan.worker)
         notify(self.app.observers, event)

@@ -187,8 +187,7 @@ class SyncShell:
             log.warning("a job begun ahead was not wound down (%s)", type(exc).__name__)
 
     def track(self, pair: sql.Pair, held: sql.Held) -> Tracked:
-        tracked = Tracked(pair[0], pair[1], held.name, held.attempts + 1)
-        tracked.max_attempts = held.max_attempts
+        tracked = Tracked.of(pair, held)
         self.heartbeat.track(tracked)
         notify(
             self.app.observers, Received(pair[0], held.name, held.attempts + 1, self.plan.worker)

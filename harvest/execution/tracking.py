@@ -46,6 +46,12 @@ class Tracked:
     tokens_used: int | None = None  # what the handler reported with ctx.used(tokens=...)
     announced: Announced | None = None  # the service's last rate-limit headers (ctx.observe)
 
+    @classmethod
+    def of(cls, pair: tuple[int, uuid.UUID], held: Any) -> Tracked:
+        """A job this worker holds, as its hold read it (``held``: a ``sql.Held``)."""
+        name, attempts, allowed = held.name, held.attempts, held.max_attempts
+        return cls(pair[0], pair[1], name, attempts + 1, max_attempts=allowed)
+
     def used(self, tokens: int) -> None:
         """The handler reports tokens its calls used (added up over the attempt)."""
         self.tokens_used = (self.tokens_used or 0) + tokens
