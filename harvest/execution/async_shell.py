@@ -137,7 +137,7 @@ class AsyncShell:
     def track(self, pair: sql.Pair, held: sql.Held) -> Tracked:
         tracked = Tracked.of(pair, held)
         self.tracked[tracked.job_id] = tracked
-        event = Received(pair[0], held.name, held.attempts + 1, self.plan.worker)
+        event = Received(pair[0], held.name, tracked.attempt, self.plan.worker)
         notify(self.app.observers, event)
         return tracked
 

@@ -103,8 +103,7 @@ def attempt(
     """Everything that happens to one held job. ``deferred_for``: how long its current run of
     deferrals has lasted (seconds), from the hold; ``payload``: the job's, for its token cost."""
     if tracked.lost:  # taken back (rescued) while it waited its turn
-        tracking.report_lost(tracked, waiting=True)
-        yield fx.Bump(LOST)
+        yield from _dropped(tracked, waiting=True)
         return ("lost",)
     if spec is None and (deferred_for or 0.0) < plan.unknown_job_grace:
         yield from _defer(
@@ -114,7 +113,7 @@ def attempt(
     cost, bad_cost = token_cost(spec, payload)
     passed = (yield from gate(spec, tracked, plan, cost)) if spec and not bad_cost else None
     if isinstance(passed, NotStarted):
-        return (yield from _not_started(passed.answer))
+        return (yield from _not_started(passed))
     if isinstance(passed, Refused):
         bad_cost, passed = passed.error, None
     if tracked.handing_back and not isinstance(passed, Wait):
@@ -219,11 +218,17 @@ def _start(tracked: Tracked) -> Generator[fx.Effect, Any, NotStarted | None]:
     return None
 
 
-def _not_started(answer: JobStatus | None) -> Generator[fx.Effect, Any, tuple[str, ...]]:
-    if answer is None:  # another delivery of this message started it meanwhile
+def _not_started(answer: NotStarted) -> Generator[fx.Effect, Any, tuple[str, ...]]:
+    if answer.answer is None:  # another delivery of this message started it meanwhile
         yield fx.Bump(DUPLICATES)
         return ("suppressed",)
     return ()  # its cancellation was requested before it started
+
+
+def _dropped(tracked: Tracked, *, waiting: bool = False) -> Generator[fx.Effect, Any, None]:
+    """Its lease was taken back: its outcome is dropped, logged once and counted."""
+    tracking.report_lost(tracked, waiting=waiting)
+    yield fx.Bump(LOST)
 
 
 def _lease_first(
@@ -277,12 +282,11 @@ def _started(
     if tracked.started is None:
         answer = yield from _start(tracked)
         if answer is not None:
-            return (yield from _not_started(answer.answer))
+            return (yield from _not_started(answer))
     started = tracked.started
     assert started is not None
     if tracked.lost:  # taken back while it waited for its key: no call
-        tracking.report_lost(tracked)
-        yield fx.Bump(LOST)
+        yield from _dropped(tracked)
         return ("started", "lost")
     tracked.key_lease = lease
     secret = (yield fx.Secret(lease)) if lease is not None else None
@@ -309,14 +313,12 @@ def _started(
     if result.ended_elsewhere:
         pass  # ended at its deadline by the watchdog; this late result is dropped
     elif tracked.lost:
-        tracking.report_lost(tracked)
-        yield fx.Bump(LOST)
+        yield from _dropped(tracked)
     else:
         tracked.finishing = True  # before the write: a renewal that misses it now is no news
         recorded = yield fx.Finish(finish_row(started, decided))
         if not recorded:
-            tracking.report_lost(tracked)
-            yield fx.Bump(LOST)
+            yield from _dropped(tracked)
     if not result.ended_elsewhere:
         ended = AttemptEnded(started, decided, result.seconds, plan.worker, recorded, time.time())
         yield fx.Notify(ended)

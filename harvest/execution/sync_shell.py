@@ -189,9 +189,7 @@ class SyncShell:
     def track(self, pair: sql.Pair, held: sql.Held) -> Tracked:
         tracked = Tracked.of(pair, held)
         self.heartbeat.track(tracked)
-        notify(
-            self.app.observers, Received(pair[0], held.name, held.attempts + 1, self.plan.worker)
-        )
+        notify(self.app.observers, Received(pair[0], held.name, tracked.attempt, self.plan.worker))
         return tracked
 
     # --- the driver -----------------------------------------------------------------------

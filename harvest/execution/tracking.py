@@ -14,10 +14,13 @@ import threading
 import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from harvest.jobs import Started
 from harvest.service_limits import Announced, announced
+
+if TYPE_CHECKING:
+    from harvest.execution.sql import Held, Pair
 
 log = logging.getLogger("harvest.heartbeat")
 
@@ -47,10 +50,10 @@ class Tracked:
     announced: Announced | None = None  # the service's last rate-limit headers (ctx.observe)
 
     @classmethod
-    def of(cls, pair: tuple[int, uuid.UUID], held: Any) -> Tracked:
-        """A job this worker holds, as its hold read it (``held``: a ``sql.Held``)."""
-        name, attempts, allowed = held.name, held.attempts, held.max_attempts
-        return cls(pair[0], pair[1], name, attempts + 1, max_attempts=allowed)
+    def of(cls, pair: Pair, held: Held) -> Tracked:
+        """A job this worker holds, as its hold read it: the attempt it will be, and how many
+        it is allowed."""
+        return cls(pair[0], pair[1], held.name, held.attempts + 1, max_attempts=held.max_attempts)
 
     def used(self, tokens: int) -> None:
         """The handler reports tokens its calls used (added up over the attempt)."""

@@ -16,7 +16,6 @@ from harvest.coordination.key_pool import Busy, Lease
 from harvest.execution import core
 from harvest.execution.executor import Executor
 from harvest.execution.tracking import Tracked
-from harvest.jobs import Started
 from harvest.settings import Settings
 
 
@@ -31,9 +30,7 @@ class _Gate:
 
     def lease(self, pool: str, job_id: int) -> Lease | core.Wait | None:
         spec = JobSpec("j", lambda ctx: None, "execution", 1, 1.0, (Exception,), None, pool)  # type: ignore[arg-type]
-        tracked = Tracked(job_id, uuid.uuid4(), "j")
-        # as if started: a job that must wait for a key starts first (its row is not the point)
-        tracked.started = Started(job_id, tracked.token, "j", {}, 1, 1, 1.0, False)
+        tracked = Tracked(job_id, uuid.uuid4(), "j")  # attempts allowed unknown: waits unstarted
         result = self.shell.drive(core.gate(spec, tracked, self.executor.plan))
         assert not isinstance(result, core.NotStarted | core.Refused)
         return result
