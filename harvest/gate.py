@@ -200,6 +200,10 @@ class AsyncGate:
         self._redis = redis
         self._pools: dict[str, AsyncKeyPool] = {}
         self._limiters: dict[str, AsyncRateLimiter] = {}
+        self._tries: dict[
+            tuple[str, int], list[tuple[str, asyncio.Future[Lease | Busy | None]]]
+        ] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def pool(self, name: str) -> AsyncKeyPool:
         pool = self._pools.get(name)
@@ -217,13 +221,42 @@ class AsyncGate:
         return await limiter.try_acquire()
 
     async def try_lease(self, pool: str, holder: str, cost: int = 0) -> Lease | Busy | None:
+        """A lease now, or Busy; None: Redis holds no such pool. The tries for a pool (at one
+        cost) made in the same turn of the loop, such as a message's jobs arriving together,
+        go to Redis as one script: a try at a full pool reads every key, once for them all."""
+        loop = asyncio.get_running_loop()
+        tries = self._tries.get((pool, cost))
+        if tries is None:
+            tries = self._tries[(pool, cost)] = []
+            task = loop.create_task(self._lease_tries(pool, cost))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        future: asyncio.Future[Lease | Busy | None] = loop.create_future()
+        tries.append((holder, future))
+        return await future
+
+    async def _lease_tries(self, pool: str, cost: int) -> None:
+        await asyncio.sleep(0)  # a turn of the loop: the tries made in it join
+        tries = self._tries.pop((pool, cost))
         try:
-            result = await self.pool(pool).lease(holder, self.ttl, cost=cost)
+            each: list[Lease | Busy | None] = [
+                *await self.pool(pool).lease_each([h for h, _ in tries], self.ttl, cost=cost)
+            ]
         except PoolNotLoaded:
-            return None
-        if isinstance(result, Lease):
-            self.gate.last_used.record(result.key_id)
-        return result
+            each = [None] * len(tries)
+        except Exception as exc:
+            for _, future in tries:
+                if not future.done():
+                    future.set_exception(exc)
+            return
+        for (_, future), result in zip(tries, each, strict=True):
+            if isinstance(result, Lease):
+                self.gate.last_used.record(result.key_id)
+                if future.done():  # its job stopped waiting (cancelled): the key goes back
+                    await self.release(result)
+                    continue
+            if not future.done():
+                future.set_result(result)
 
     async def load_pool(self, pool: str) -> None:
         await asyncio.to_thread(self.gate.load_pool, pool)

@@ -36,3 +36,10 @@ async def async_fallback_call(
             params = {"fence": ctx.lease.fence, "hold": hold, "job": ctx.job_id}
             (await http.get(url, params=params)).raise_for_status()
     return {"pool": ctx.pool, "key_id": ctx.lease.key_id}
+
+
+@app.job("async_first_only", pool=POOLS[0], max_attempts=3, retry=FAST_RETRY, timeout=30)
+async def async_first_only(ctx: JobContext) -> dict[str, Any]:
+    """A job of the first pool alone (no fallback): returns its key."""
+    assert ctx.lease is not None
+    return {"pool": ctx.pool, "key_id": ctx.lease.key_id}

@@ -40,6 +40,7 @@ from harvest.coordination.key_state import (
     Lease,
     Status,
     Throttled,
+    check_cost,
 )
 from harvest.coordination.scripts import (
     AsyncLuaScript,
@@ -80,44 +81,47 @@ class _PoolShape(Generic[S]):
         self._members = keys.pool_members(pool)
 
     def _lease_call(
-        self, holder: str, ttl: float, n: int, cost: int = 0
+        self, holders: Sequence[str], ttl: float, cost: int = 0, prefer: int = 0
     ) -> tuple[list[str], list[Any], list[str]]:
-        """(keys, args, tokens) of ``pool_lease.lua`` for ``n`` leases of ``cost`` tokens."""
+        """(keys, args, tokens) of ``pool_lease.lua``: a lease of ``cost`` tokens for each of
+        ``holders``; ``prefer``: the key a release in the same pipeline freed (a hand-off),
+        tried first."""
         _check_ttl(ttl)
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_BATCH:
-            raise ValueError(f"invalid lease count {n!r}: must be 1..{MAX_BATCH}")
+        if not 1 <= len(holders) <= MAX_BATCH:
+            raise ValueError(f"invalid lease count {len(holders)}: must be 1..{MAX_BATCH}")
         check_cost(cost)
-        tokens = [f"{secrets.token_hex(8)}:{holder}" for _ in range(n)]
+        tokens = [f"{secrets.token_hex(8)}:{holder}" for holder in holders]
         script_keys = [
             self._epoch,
             self._members,
             keys.pool_cursor(self.pool),
             keys.pool_fence(self.pool),
         ]
-        return script_keys, [self._prefix, micros(ttl), cost, *tokens], tokens
+        return script_keys, [self._prefix, micros(ttl), cost, prefer, *tokens], tokens
+
+    def _each_from(
+        self, reply: list[Any], tokens: list[str], args: list[Any], cost: int = 0
+    ) -> list[Lease | Busy]:
+        """For each token in order: its lease, or (once the keys admit no more) the pool's Busy."""
+        granted = int(reply[0])
+        if granted < 0:
+            raise PoolNotLoaded(self.pool)
+        retry_us = int(reply[1])
+        busy = Busy(IDLE_RETRY if retry_us < 0 else to_seconds(retry_us), retry_us == -2)
+        rows, ttl_us = [int(v) for v in reply[2:]], int(args[1])
+        triples = zip(rows[0::3], rows[1::3], rows[2::3], strict=True)  # key, fence, expiry
+        leases: list[Lease | Busy] = [
+            Lease(self.pool, key, token, fence, to_seconds(end), cost, to_seconds(end - ttl_us))
+            for token, (key, fence, end) in zip(tokens, triples, strict=False)
+        ]
+        return leases + [busy] * (len(tokens) - len(leases))
 
     def _leases_from(
         self, reply: list[Any], tokens: list[str], args: list[Any], cost: int = 0
     ) -> list[Lease] | Busy:
-        granted = int(reply[0])
-        if granted < 0:
-            raise PoolNotLoaded(self.pool)
-        if granted == 0:
-            retry_us = int(reply[1])
-            return Busy(IDLE_RETRY if retry_us < 0 else to_seconds(retry_us), retry_us == -2)
-        rows, ttl_us = [int(v) for v in reply[2:]], int(args[1])
-        triples = zip(rows[0::3], rows[1::3], rows[2::3], strict=True)  # key, fence, expiry
-        return [
-            Lease(self.pool, key, token, fence, to_seconds(end), cost, to_seconds(end - ttl_us))
-            for token, (key, fence, end) in zip(tokens, triples, strict=False)
-        ]
-
-    def _lease_from(
-        self, reply: list[Any], tokens: list[str], args: list[Any], cost: int = 0
-    ) -> Lease | Busy:
-        """:meth:`_leases_from` of a call for one lease."""
-        result = self._leases_from(reply, tokens, args, cost)
-        return result if isinstance(result, Busy) else result[0]
+        each = self._each_from(reply, tokens, args, cost)
+        leases = [x for x in each if isinstance(x, Lease)]
+        return leases or next(x for x in each if isinstance(x, Busy))
 
     def _leases_key(self, lease: Lease) -> str:
         if lease.pool != self.pool:
@@ -153,11 +157,11 @@ class _PoolShape(Generic[S]):
         """The two scripts of ``release_then_lease`` (the release of ``lease`` first, so the
         lease for ``holder`` may take the slot it frees), and how their replies read."""
         released = self._release_call(lease, used, succeeded, announced)
-        script_keys, args, tokens = self._lease_call(holder, ttl, 1, cost)
+        script_keys, args, tokens = self._lease_call([holder], ttl, cost, prefer=lease.key_id)
 
         def read(replies: list[Any]) -> tuple[bool, Lease | Busy]:
             freed, reply = _raised(replies)
-            return bool(int(freed)), self._lease_from(reply, tokens, args, cost)
+            return bool(int(freed)), self._each_from(reply, tokens, args, cost)[0]
 
         return [(self._release, *released), (self._lease, script_keys, args)], read
 
@@ -257,7 +261,9 @@ class KeyPool(_PoolShape[LuaScript]):
 
         Returns the leases granted (maybe fewer than ``n``), or :class:`Busy` when none was.
         """
-        script_keys, args, tokens = self._lease_call(holder, ttl, n, cost)
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_BATCH:
+            raise ValueError(f"invalid lease count {n!r}: must be 1..{MAX_BATCH}")
+        script_keys, args, tokens = self._lease_call([holder] * n, ttl, cost)
         return self._leases_from(self._lease.array(script_keys, args), tokens, args, cost)
 
     def release_then_lease(
@@ -422,8 +428,16 @@ class AsyncKeyPool(_PoolShape[AsyncLuaScript]):
 
     async def lease(self, holder: str, ttl: float, *, cost: int = 0) -> Lease | Busy:
         """See :meth:`KeyPool.lease`. :raises PoolNotLoaded: Redis holds no such pool."""
-        script_keys, args, tokens = self._lease_call(holder, ttl, 1, cost)
-        return self._lease_from(await self._lease.array(script_keys, args), tokens, args, cost)
+        return (await self.lease_each([holder], ttl, cost=cost))[0]
+
+    async def lease_each(
+        self, holders: Sequence[str], ttl: float, *, cost: int = 0
+    ) -> list[Lease | Busy]:
+        """A lease for each of ``holders``, in one script (spread over the keys, least loaded
+        first, in the holders' order): the first get leases while keys admit them, the rest
+        the pool's Busy. :raises PoolNotLoaded: Redis holds no such pool."""
+        script_keys, args, tokens = self._lease_call(holders, ttl, cost)
+        return self._each_from(await self._lease.array(script_keys, args), tokens, args, cost)
 
     async def heartbeat_many(self, leases: Sequence[Lease], ttl: float) -> list[bool]:
         """See :meth:`KeyPool.heartbeat_many`."""
@@ -469,16 +483,6 @@ class AsyncKeyPool(_PoolShape[AsyncLuaScript]):
     async def disable(self, key_id: int) -> bool:
         """See :meth:`KeyPool.disable`."""
         return bool(await self._admin.integer(*self._admin_call(key_id, "disable")))
-
-
-MAX_COST = 10**12
-
-
-def check_cost(value: object, what: str = "cost") -> int:
-    """A whole number of tokens, 0..10^12 (0: none)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COST:
-        raise ValueError(f"invalid {what} {value!r}: must be a whole number of tokens >= 0")
-    return value
 
 
 def _raised(replies: list[Any]) -> list[Any]:

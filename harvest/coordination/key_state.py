@@ -199,3 +199,13 @@ class Busy:
 
     retry_after: float
     never: bool = False
+
+
+MAX_COST = 10**12
+
+
+def check_cost(value: object, what: str = "cost") -> int:
+    """A whole number of tokens, 0..10^12 (0: none)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COST:
+        raise ValueError(f"invalid {what} {value!r}: must be a whole number of tokens >= 0")
+    return value

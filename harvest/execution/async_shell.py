@@ -23,7 +23,7 @@ from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis as AsyncRedis
 
 from harvest.context import JobContext
-from harvest.coordination.key_state import Lease
+from harvest.coordination.key_state import Busy, Lease
 from harvest.execution import core, sql, tracking
 from harvest.execution import effects as fx
 from harvest.execution.observe import Received, notify
@@ -40,6 +40,7 @@ log = logging.getLogger("harvest.runner")
 
 T = TypeVar("T")
 CLIENT_IDLE = 300.0  # an HTTP client of a key unused this long is closed
+MIN_POLL = 0.005  # shortest pause between two lease tries for the jobs waiting in line
 
 
 @dataclass(slots=True, eq=False)
@@ -49,6 +50,8 @@ class Waiter:
     holder: str
     cost: int
     handed: asyncio.Future[Lease | None]  # a lease leased for it, or None: lease on your own
+    poll: float  # seconds between lease tries for it while it is first in line
+    patient: bool  # stays in line until a key is leased for it or its wait is over
 
 
 def _give_up(queue: collections.deque[Waiter], waiter: Waiter) -> None:
@@ -131,6 +134,7 @@ class AsyncShell:
         self.clients = AsyncClients()
         self.tracked: dict[int, Tracked] = {}
         self._waiting: dict[str, collections.deque[Waiter]] = {}  # by pool, oldest first
+        self._probes: dict[str, asyncio.Task[None]] = {}  # by pool, while jobs wait for it
 
     # --- a message ------------------------------------------------------------------------
 
@@ -179,6 +183,8 @@ class AsyncShell:
             case fx.RatePermit(spec):
                 return await self.gate.rate_permit(spec)
             case fx.LeaseKey(pool, holder, cost):
+                if self._first_waiting(pool) is not None:  # behind the jobs here waiting for it
+                    return Busy(core.KEY_POLL)
                 return await self.gate.try_lease(pool, holder, cost)
             case fx.LoadPool(pool):
                 return await self.gate.load_pool(pool)
@@ -209,26 +215,74 @@ class AsyncShell:
         raise TypeError(f"unknown effect {e!r}")
 
     async def _await_key(self, e: fx.AwaitKey) -> Lease | None:
-        """Wait until a key of the pool is freed in this process, or ``seconds`` pass. First
-        come, first served: a freed key goes to one waiter, leased for it in the release's own
-        round trip (:meth:`_release`), not to all of them (each a lease try in Redis: waking
-        hundreds for one key is a stampede). None: lease on your own."""
+        """Wait until a key of the pool is leased for this job, or its time is up (None: lease
+        on your own). First come, first served: a key freed in this process goes to the first
+        in line, leased for it in the release's own round trip (:meth:`_release`), not to all
+        of them (each a lease try in Redis: waking hundreds for one key is a stampede).
+
+        A job whose only pool this is (``e.until``) stays in line until its wait is over, and
+        one lease try every ``e.seconds`` serves the whole line (:meth:`_probe`): a try at a
+        full pool reads every key of it, so one per waiting job would cost Redis more than the
+        calls. A job with fallback pools comes back after ``e.seconds`` to try them in turn."""
         loop = asyncio.get_running_loop()
-        waiter = Waiter(e.holder, e.cost, loop.create_future())
+        waiter = Waiter(e.holder, e.cost, loop.create_future(), e.seconds, e.until is not None)
         queue = self._waiting.setdefault(e.pool, collections.deque())
         queue.append(waiter)
-        timer = loop.call_later(e.seconds, _give_up, queue, waiter)
+        timer = loop.call_later(e.seconds if e.until is None else e.until, _give_up, queue, waiter)
+        if waiter.patient:
+            self._probe_pool(e.pool)
         try:
             return await waiter.handed
         finally:
             timer.cancel()
+
+    def _probe_pool(self, pool: str) -> None:
+        if pool not in self._probes:
+            self._probes[pool] = asyncio.get_running_loop().create_task(self._probe(pool))
+
+    async def _probe(self, pool: str) -> None:
+        """While jobs of this process wait in line for ``pool``: a lease try for the first in
+        line every poll, and at once again after a grant, so that a key freed where no job was
+        waiting (in another process, or by a lease that expired) is not left idle. A try that
+        fails wakes the whole line: each job then leases on its own and meets the failure."""
+        try:
+            pause: float | None = None
+            while (first := self._first_waiting(pool)) is not None:
+                if pause != 0.0:
+                    await asyncio.sleep(max(first.poll, MIN_POLL) if pause is None else pause)
+                    if (first := self._first_waiting(pool)) is None:
+                        return
+                result = await self.gate.try_lease(pool, first.holder, first.cost)
+                if result is None:  # Redis lost the pool: rebuild it, then try again
+                    await self.gate.load_pool(pool)
+                    pause = 0.0
+                elif isinstance(result, Busy):
+                    pause = max(min(result.retry_after, first.poll), MIN_POLL)
+                else:
+                    pause = 0.0
+                    await self._hand(pool, result)
+        except Exception as exc:
+            log.warning("leasing a key of pool %r for the jobs waiting here failed (%s): "
+                        "each leases on its own", pool, type(exc).__name__)  # fmt: skip
+            self._wake(pool)
+        finally:
+            self._probes.pop(pool, None)
+
+    async def _hand(self, pool: str, lease: Lease) -> None:
+        """Give ``lease`` (leased for the line) to the first job still waiting in it, or back."""
+        waiter = self._next_waiter(pool)
+        if waiter is not None:
+            waiter.handed.set_result(lease)
+        else:
+            await self.gate.release(lease)
 
     async def _release(
         self, lease: Lease, used: int | None, succeeded: bool, announced: Announced | None
     ) -> None:
         """Give a key back; when a job of this process waits for its pool, lease for it in the
         same round trip (the slot is taken as it is freed: no idle key between two jobs, no
-        wake-up and second round trip before the waiter's call)."""
+        wake-up and second round trip before the waiter's call). When that lease finds no key
+        that admits the call, a job that waits for this pool alone keeps its place in line."""
         waiter = self._next_waiter(lease.pool)
         if waiter is None:
             await self.gate.release(lease, used, succeeded, announced)
@@ -237,26 +291,40 @@ class AsyncShell:
             lease, waiter.holder, waiter.cost, used=used, succeeded=succeeded, announced=announced
         )
         handed = result if isinstance(result, Lease) else None
-        if not waiter.handed.done():
+        if waiter.handed.done():  # it stopped waiting meanwhile (its task was cancelled)
+            if handed is not None:
+                await self._hand(lease.pool, handed)
+        elif handed is None and waiter.patient:
+            self._waiting[lease.pool].appendleft(waiter)
+            self._probe_pool(lease.pool)
+        else:
             waiter.handed.set_result(handed)
-        elif handed is not None:  # it stopped waiting meanwhile (its task was cancelled)
-            await self.gate.release(handed)
+
+    def _first_waiting(self, pool: str) -> Waiter | None:
+        queue = self._waiting.get(pool)
+        while queue and queue[0].handed.done():
+            queue.popleft()
+        return queue[0] if queue else None
 
     def _next_waiter(self, pool: str) -> Waiter | None:
-        queue = self._waiting.get(pool)
-        while queue:
-            waiter = queue.popleft()
+        waiter = self._first_waiting(pool)
+        if waiter is not None:
+            self._waiting[pool].popleft()
+        return waiter
+
+    def _wake(self, pool: str) -> None:
+        """Wake every job waiting in line for ``pool`` (each leases on its own)."""
+        queue = self._waiting.pop(pool, None) or collections.deque()
+        for waiter in queue:
             if not waiter.handed.done():
-                return waiter
-        return None
+                waiter.handed.set_result(None)
 
     def wake_all(self) -> None:
         """Wake every job waiting for a key (shutdown: they hand themselves back)."""
-        for queue in self._waiting.values():
-            for waiter in queue:
-                if not waiter.handed.done():
-                    waiter.handed.set_result(None)
-            queue.clear()
+        for pool in list(self._waiting):
+            self._wake(pool)
+        for probe in self._probes.values():
+            probe.cancel()
 
     # --- running a handler ----------------------------------------------------------------
 

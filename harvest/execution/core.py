@@ -198,8 +198,10 @@ def gate(
             if answer is not None:
                 return answer
             now = yield fx.Clock()
-            left = deadline - now
-        handed = yield fx.AwaitKey(pool, min(retry, max(left, 0.0), KEY_POLL), holder, cost)
+        left = max(deadline - now, 0.0)
+        until = left if len(pools) == 1 else None  # one pool: in line until its time is up
+        poll = min(retry, KEY_POLL, KEY_POLL if until is not None else left)
+        handed = yield fx.AwaitKey(pool, poll, holder, cost, until)
         if isinstance(handed, Lease):  # a key this process freed, leased for it as it was freed
             tracked.key_renewed(now, plan.lease_ttl)  # (sent after ``now``: fresh for less)
             return handed

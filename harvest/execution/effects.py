@@ -54,14 +54,20 @@ class LoadPool:
 
 @dataclass(frozen=True, slots=True)
 class AwaitKey:
-    """-> Lease | None: wait up to ``seconds``, or less when this process frees a key of
-    ``pool``. A shell may hand the freed slot over: a lease for ``holder`` (``cost`` tokens
-    reserved), taken in the same round trip as the key's release; None: lease it yourself."""
+    """-> Lease | None: wait up to ``seconds`` (``until`` if sooner), or less when this process
+    frees a key of ``pool``. A shell may hand the freed slot over: a lease for ``holder``
+    (``cost`` tokens reserved), taken in the same round trip as the key's release; None: lease
+    it yourself.
+
+    ``until``: when ``pool`` is the job's only pool, how long it may still wait in all. A shell
+    may then keep it in line that long, leasing for the first in line every ``seconds`` (one
+    try per pool, not one per waiting job); None: come back after ``seconds``."""
 
     pool: str
     seconds: float
     holder: str = ""
     cost: int = 0
+    until: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -296,10 +296,10 @@ class SyncShell:
                 return self.gate.try_lease(pool, holder, cost)
             case fx.LoadPool(pool):
                 return self.gate.load_pool(pool)
-            case fx.AwaitKey(pool, seconds):
+            case fx.AwaitKey(pool, seconds, until=until):
                 freed = self._key_freed(pool)
                 with freed:
-                    freed.wait(seconds)
+                    freed.wait(seconds if until is None else min(seconds, until))
                 return None
             case fx.Defer(row):
                 return row.job_id in self.db(sql.defer([row]))

@@ -5,6 +5,7 @@ pools together."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -160,10 +161,11 @@ def test_an_async_job_waiting_for_a_key_gets_it_in_the_round_trip_that_frees_it(
 ) -> None:
     """More async jobs at once than both pools have slots (8 for 6): those that find every
     key busy wait, and a job of the same process that gives a key back leases for the
-    longest waiter in the same round trip (release, then lease). Every job runs once, on an
-    attempt of its own, and no lease is left."""
+    longest waiter in the same round trip (release, then lease). The jobs that arrive
+    together try a pool together, in one script. Every job runs once, on an attempt of its
+    own, and no lease is left."""
     calls: list[str] = []
-    for name, label in (("lease", "lease"), ("release", "release"),
+    for name, label in (("lease_each", "lease"), ("release", "release"),
                         ("release_then_lease", "release+lease")):  # fmt: skip
         real = getattr(AsyncKeyPool, name)
 
@@ -178,8 +180,39 @@ def test_an_async_job_waiting_for_a_key_gets_it_in_the_round_trip_that_frees_it(
     assert {(job.status, job.attempts) for job in jobs} == {(JobStatus.SUCCEEDED, 1)}
     assert "release+lease" in calls
     assert calls.count("release") + calls.count("release+lease") == 8  # a key back per job
+    assert calls.count("lease") < 8, f"8 jobs that arrived together tried one by one: {calls}"
     for pool in KEYS:
         assert {k.live_leases for k in KeyPool(app.redis, pool).snapshot()} == {0}
+
+
+def test_async_jobs_waiting_for_their_only_pool_get_keys_freed_elsewhere_with_one_try_a_poll(
+    app: Harvest, runner: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every slot of the first pool is held by someone else (another process) for 0.6 s: the
+    8 jobs of this pool alone wait in line, and one lease try every poll serves the whole line
+    (a try per waiting job would be 8 every 0.25 s). When the keys are freed there, with no
+    job of this process to hand them over, the first in line gets one, then the next at once;
+    every job runs once, on its first attempt, and no lease is left."""
+    calls: list[int] = []
+    real = AsyncKeyPool.lease_each
+
+    async def spy(self: AsyncKeyPool, holders: Any, *args: Any, **kw: Any) -> Any:
+        calls.append(len(holders))
+        return await real(self, holders, *args, **kw)
+
+    monkeypatch.setattr(AsyncKeyPool, "lease_each", spy)
+    pool = KeyPool(app.redis, FIRST)
+    held = [pool.lease("elsewhere", 30.0) for _ in range(4)]
+    freeing = threading.Timer(0.6, lambda: [pool.release(x) for x in held])  # type: ignore[arg-type]
+    freeing.start()
+    try:
+        jobs = run(app, runner, "async_first_only", 8)
+    finally:
+        freeing.join()
+    assert {(job.status, job.attempts) for job in jobs} == {(JobStatus.SUCCEEDED, 1)}
+    assert calls[0] == 8, "the 8 jobs arriving together try the pool in one script"
+    assert set(calls[1:]) == {1}, f"a try per waiting job, not one for the line: {calls}"
+    assert {k.live_leases for k in pool.snapshot()} == {0}
 
 
 def test_a_job_that_took_its_key_ahead_gives_it_back_when_the_message_ends_early(

@@ -24,7 +24,11 @@
 -- ARGV[1]  pool prefix (keys.pool_prefix)
 -- ARGV[2]  lease ttl in microseconds
 -- ARGV[3]  tokens each call will cost (0: no token check)
--- ARGV[4..] one token per lease wanted
+-- ARGV[4]  a key to try first for a single lease (0: none): the key a release just freed, in
+--          the same pipeline (a hand-off, see key_pool.py _handoff). If it admits the call it
+--          is granted without reading the rest of the pool: the hand-off leaves every key's
+--          load as it was (the slot freed is taken again); otherwise the pool is scanned.
+-- ARGV[5..] one token per lease wanted
 -- Returns  {-1} when the pool is not loaded; otherwise
 --          {granted, retry_after_us, key_id_1, fence_1, expires_at_us_1, key_id_2, ...}
 --          where retry_after_us (when fewer than wanted were granted) is the time until a key
@@ -39,6 +43,8 @@ end
 local prefix = ARGV[1]
 local ttl = tonumber(ARGV[2])
 local cost = tonumber(ARGV[3])
+local prefer = ARGV[4]
+local FIRST = 5 -- ARGV index of the first token
 local retry = -1
 local fits = false -- some key's budget (whatever its status) could hold one such call
 local seen = 0 -- keys with a config
@@ -152,7 +158,7 @@ local function load_usable()
     local k = load_key(ids[(start + i) % n + 1])
     if k then
       table.insert(found, k)
-      if #ARGV == 4 and k.live == 0 and admits(k) then
+      if #ARGV == FIRST and k.live == 0 and admits(k) then
         break
       end
     end
@@ -245,9 +251,18 @@ local function wait_for(k)
   return wait
 end
 
+-- A hand-off: the key just freed, when it admits the call (O(1) where a scan reads every key).
+if prefer ~= '0' and #ARGV == FIRST and redis.call('ZSCORE', KEYS[2], prefer) then
+  local k = load_key(prefer)
+  if k and not k.partial and admits(k) then
+    local fence = grant(k, ARGV[FIRST])
+    return {1, 0, tonumber(k.id), fence, now + ttl}
+  end
+end
+
 local keys = load_usable()
 local out = {0, 0}
-for i = 4, #ARGV do
+for i = FIRST, #ARGV do
   local k = pick(keys)
   if k == nil then
     break
@@ -258,7 +273,7 @@ for i = 4, #ARGV do
   table.insert(out, fence)
   table.insert(out, now + ttl)
 end
-if out[1] < #ARGV - 3 then
+if out[1] < #ARGV - FIRST + 1 then
   for _, k in ipairs(keys) do
     sooner(wait_for(k))
   end

@@ -223,6 +223,47 @@ def test_release_then_lease_frees_the_key_first_in_one_round_trip(
     assert pool.release(fourth) is True
 
 
+def test_a_hand_off_takes_the_key_it_frees_when_that_key_admits_the_call(
+    redis_client: redis.Redis,
+) -> None:
+    """Two keys of concurrency 2, one full and one half: a hand-off of a lease of the full key
+    takes that key again every time (its load stays as it was; a scan would find the two keys
+    tied and go round robin). A key that no longer admits the call (cooling after a 429) is not
+    taken: the pool is scanned."""
+    pool = make_pool(redis_client, KeySpec(1, 2), KeySpec(2, 2))
+    held = [lease_ok(pool, str(i)) for i in range(3)]  # one key full, the other half
+    full = Counter(x.key_id for x in held).most_common(1)[0][0]
+    lease = next(x for x in held if x.key_id == full)
+    for _ in range(6):
+        freed, lease = pool.release_then_lease(lease, "next", 30.0)  # type: ignore[assignment]
+        assert freed is True and isinstance(lease, Lease) and lease.key_id == full
+    pool.throttle(lease, 30.0)  # a 429: the key cools; the slot is taken on the other key
+    freed, other = pool.release_then_lease(lease, "after 429", 30.0)
+    assert freed is True and isinstance(other, Lease) and other.key_id != full
+
+
+def test_one_script_leases_for_several_holders_in_order_and_says_busy_for_the_rest(
+    redis_client: redis.Redis,
+) -> None:
+    """AsyncKeyPool.lease_each: three holders, two slots (two keys of concurrency 1): the first
+    two get a lease each, one per key, with their own tokens; the third gets the pool's Busy."""
+    make_pool(redis_client, KeySpec(1, 1), KeySpec(2, 1))
+    where = redis_client.get_connection_kwargs()
+
+    async def scenario() -> list[Lease | Busy]:
+        client = AsyncRedis(host=where["host"], port=where["port"], db=where["db"])
+        try:
+            return await AsyncKeyPool(client, "ai").lease_each(["a", "b", "c"], 30.0)
+        finally:
+            await client.aclose()
+
+    first, second, third = asyncio.run(scenario())
+    assert isinstance(first, Lease) and first.token.endswith(":a")
+    assert isinstance(second, Lease) and second.token.endswith(":b")
+    assert {first.key_id, second.key_id} == {1, 2} and first.fence != second.fence
+    assert isinstance(third, Busy) and third.retry_after > 0
+
+
 def test_the_asyncio_pool_hands_a_key_over_and_renews_after_redis_lost_its_scripts(
     redis_client: redis.Redis,
 ) -> None:
