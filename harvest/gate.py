@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING
 from redis.asyncio import Redis as AsyncRedis
 
 from harvest import keystore
-from harvest.coordination.key_pool import AsyncKeyPool, Busy, KeyPool, Lease, Throttled
+from harvest.coordination.key_pool import (
+    MAX_BATCH,
+    AsyncKeyPool,
+    Busy,
+    KeyPool,
+    Lease,
+    Throttled,
+)
 from harvest.coordination.rate_limit import AsyncRateLimiter, RateLimiter
 from harvest.errors import PoolNotLoaded
 from harvest.service_limits import Announced
@@ -238,6 +245,12 @@ class AsyncGate:
     async def _lease_tries(self, pool: str, cost: int) -> None:
         await asyncio.sleep(0)  # a turn of the loop: the tries made in it join
         tries = self._tries.pop((pool, cost))
+        for start in range(0, len(tries), MAX_BATCH):  # a script takes MAX_BATCH at most
+            await self._lease_for(pool, cost, tries[start : start + MAX_BATCH])
+
+    async def _lease_for(
+        self, pool: str, cost: int, tries: list[tuple[str, asyncio.Future[Lease | Busy | None]]]
+    ) -> None:
         try:
             each: list[Lease | Busy | None] = [
                 *await self.pool(pool).lease_each([h for h, _ in tries], self.ttl, cost=cost)
@@ -249,14 +262,16 @@ class AsyncGate:
                 if not future.done():
                     future.set_exception(exc)
             return
+        unwanted: list[Lease] = []  # leased for a job that stopped waiting (cancelled)
         for (_, future), result in zip(tries, each, strict=True):
             if isinstance(result, Lease):
                 self.gate.last_used.record(result.key_id)
-                if future.done():  # its job stopped waiting (cancelled): the key goes back
-                    await self.release(result)
-                    continue
             if not future.done():
                 future.set_result(result)
+            elif isinstance(result, Lease):
+                unwanted.append(result)
+        for lease in unwanted:  # the keys go back once every waiting job has its answer
+            await self.release(lease)
 
     async def load_pool(self, pool: str) -> None:
         await asyncio.to_thread(self.gate.load_pool, pool)

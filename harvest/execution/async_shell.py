@@ -52,13 +52,19 @@ class Waiter:
     handed: asyncio.Future[Lease | None]  # a lease leased for it, or None: lease on your own
     poll: float  # seconds between lease tries for it while it is first in line
     patient: bool  # stays in line until a key is leased for it or its wait is over
+    late: bool = False  # its time was up while a release leased for it: not back in line
 
 
 def _give_up(queue: collections.deque[Waiter], waiter: Waiter) -> None:
-    """A waiter's time is up: it leases on its own, unless a release is leasing for it."""
-    if waiter in queue and not waiter.handed.done():
+    """A waiter's time is up: it leases on its own, unless a release is leasing for it (then
+    it takes what that lease brings, and is not put back in line)."""
+    if waiter.handed.done():
+        return
+    if waiter in queue:
         queue.remove(waiter)
         waiter.handed.set_result(None)
+    else:
+        waiter.late = True
 
 
 class Stop:
@@ -294,7 +300,7 @@ class AsyncShell:
         if waiter.handed.done():  # it stopped waiting meanwhile (its task was cancelled)
             if handed is not None:
                 await self._hand(lease.pool, handed)
-        elif handed is None and waiter.patient:
+        elif handed is None and waiter.patient and not waiter.late:
             self._waiting[lease.pool].appendleft(waiter)
             self._probe_pool(lease.pool)
         else:
@@ -313,11 +319,13 @@ class AsyncShell:
         return waiter
 
     def _wake(self, pool: str) -> None:
-        """Wake every job waiting in line for ``pool`` (each leases on its own)."""
-        queue = self._waiting.pop(pool, None) or collections.deque()
+        """Wake every job waiting in line for ``pool`` (each leases on its own). The line is
+        emptied in place: a waiter's own timer holds it (:func:`_give_up`)."""
+        queue = self._waiting.get(pool, collections.deque())
         for waiter in queue:
             if not waiter.handed.done():
                 waiter.handed.set_result(None)
+        queue.clear()
 
     def wake_all(self) -> None:
         """Wake every job waiting for a key (shutdown: they hand themselves back)."""

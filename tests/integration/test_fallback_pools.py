@@ -5,6 +5,7 @@ pools together."""
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -14,12 +15,14 @@ import pytest
 import redis
 from cryptography.fernet import Fernet
 from pydantic import SecretStr
+from redis.asyncio import Redis as AsyncRedis
 from sqlalchemy import Engine
 
 from harvest import dispatcher, keystore, store
 from harvest.app import Harvest
-from harvest.coordination.key_pool import AsyncKeyPool, KeyPool, Lease
+from harvest.coordination.key_pool import AsyncKeyPool, Busy, KeyPool, Lease
 from harvest.execution import sql
+from harvest.gate import AsyncGate
 from harvest.models import JobStatus
 from harvest.runner import Runner
 from harvest.settings import Settings
@@ -213,6 +216,31 @@ def test_async_jobs_waiting_for_their_only_pool_get_keys_freed_elsewhere_with_on
     assert calls[0] == 8, "the 8 jobs arriving together try the pool in one script"
     assert set(calls[1:]) == {1}, f"a try per waiting job, not one for the line: {calls}"
     assert {k.live_leases for k in pool.snapshot()} == {0}
+
+
+def test_more_lease_tries_at_once_than_one_script_takes_are_split_not_refused(
+    app: Harvest, runner: Runner
+) -> None:
+    """1,001 tries for a pool in one turn of the loop (more than a script's 1,000 leases): each
+    gets an answer, 4 leases (the pool's 4 slots) and Busy for the rest, not an error."""
+    where = app.redis.get_connection_kwargs()
+
+    async def scenario() -> list[Lease | Busy | None]:
+        client = AsyncRedis(host=where["host"], port=where["port"], db=where["db"])
+        try:
+            gate = AsyncGate(runner.sync.gate, client)
+            tries = [gate.try_lease(FIRST, f"job-{i}") for i in range(1001)]
+            results = await asyncio.gather(*tries)
+            for lease in results:
+                if isinstance(lease, Lease):
+                    await gate.release(lease)
+            return results
+        finally:
+            await client.aclose()
+
+    results = asyncio.run(scenario())
+    assert sum(isinstance(x, Lease) for x in results) == 4
+    assert sum(isinstance(x, Busy) for x in results) == 997
 
 
 def test_a_job_that_took_its_key_ahead_gives_it_back_when_the_message_ends_early(
