@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 
 from cryptography.fernet import Fernet
 
+from bench import jobs as bench_jobs
 from bench import jobs_pooled
 from bench.core import Comparison, Row, Target
 from bench.env import Ctx
@@ -29,6 +30,7 @@ from bench.subjects import (
 )
 
 UNIT = "jobs/s"
+ASYNC = "harvest async"
 
 
 def warmup_jobs(ctx: Ctx) -> int:
@@ -47,6 +49,9 @@ def measure(
     n, reps = ctx.cfg.jobs, ctx.cfg.reps
     live: list[Subject] = []
     for subject in subjects:
+        if rows[subject.name].unavailable:  # found wanting before it came here
+            ctx.step(f"{scenario}: {subject.name} skipped", 1 + ctx.cfg.reps)
+            continue
         ctx.step(f"{scenario}: starting {subject.name}")
         try:
             subject.start()
@@ -79,15 +84,17 @@ def run(ctx: Ctx) -> list[Row]:
     knobs = dict(ctx.cfg.harvest_knobs)
     subjects: list[Subject] = [
         HarvestSubject(ctx, knobs),
+        HarvestSubject(ctx, knobs, name=ASYNC, job=bench_jobs.NOOP_ASYNC, tag="async"),
         CelerySubject(ctx),
         ProcrastinateSubject(ctx),
         PgQueuerSubject(ctx),
     ]
     ctx.plan(len(subjects) * (1 + ctx.cfg.reps))
+    setup = ", ".join(f"{k}={v}" for k, v in knobs.items()) or "defaults"
     rows = {
-        "harvest": Row(
+        name: Row(
             "e2e",
-            "harvest",
+            name,
             UNIT,
             comparisons=[
                 Comparison("PgQueuer", Target("ratio_min", 1.0, "≥ 1x"), "vs PgQueuer"),
@@ -98,9 +105,12 @@ def run(ctx: Ctx) -> list[Row]:
                 ),
                 Comparison("procrastinate", None, "vs procrastinate"),
             ],
-            note="2 execution processes (+ schedule worker, beat); knobs: "
-            + (", ".join(f"{k}={v}" for k, v in knobs.items()) or "defaults"),
-        ),
+            note=f"{handler} handler, 2 execution processes (+ schedule worker, beat); "
+            f"knobs: {setup}",
+        )
+        for name, handler in (("harvest", "def"), (ASYNC, "async def"))
+    }
+    rows |= {
         "plain Celery": Row(
             "e2e", "plain Celery", UNIT, note="prefork -c 2, acks_late, no result backend"
         ),
@@ -115,51 +125,61 @@ def run(ctx: Ctx) -> list[Row]:
 
 
 def run_gate(ctx: Ctx) -> list[Row]:
+    """The key pool's cost: each handler kind (``def``, ``async def``) with and without it."""
     knobs = {**ctx.cfg.harvest_knobs, "HARVEST_SECRET_KEY": Fernet.generate_key().decode()}
-    plain = HarvestSubject(ctx, knobs, name="harvest", tag="plain")
-    gated = HarvestSubject(
-        ctx,
-        knobs,
-        name="harvest + key pool",
-        job=jobs_pooled.NOOP_POOLED,
-        pool_keys=KEYS,
-        tag="gated",
-        imports="bench.jobs_pooled",
+    kinds = (
+        ("harvest", "", bench_jobs.NOOP, jobs_pooled.NOOP_POOLED),
+        (ASYNC, "async-", bench_jobs.NOOP_ASYNC, jobs_pooled.NOOP_POOLED_ASYNC),
     )
-    ctx.plan(2 * (1 + ctx.cfg.reps))
-    rows = {
-        plain.name: Row("gate", plain.name, UNIT, note="no pool"),
-        gated.name: Row(
+    plain: list[Subject] = []
+    gated: list[HarvestSubject] = []
+    rows: dict[str, Row] = {}
+    for name, tag, job, pooled in kinds:
+        bare = HarvestSubject(ctx, knobs, name=name, job=job, tag=f"{tag}plain")
+        pool = HarvestSubject(
+            ctx,
+            knobs,
+            name=f"{name} + key pool",
+            job=pooled,
+            pool_keys=KEYS,
+            tag=f"{tag}gated",
+            imports="bench.jobs_pooled",
+        )
+        plain.append(bare)
+        gated.append(pool)
+        rows[bare.name] = Row("gate", bare.name, UNIT, note="no pool")
+        rows[pool.name] = Row(
             "gate",
-            gated.name,
+            pool.name,
             UNIT,
             comparisons=[
-                Comparison("harvest", Target("ratio_min", 0.85, "cost ≤ 15 %"), "vs no pool")
+                Comparison(bare.name, Target("ratio_min", 0.85, "cost ≤ 15 %"), "vs no pool")
             ],
             note=f"@app.job(pool=...): {KEYS} keys x 64 leases, no rate limit",
-        ),
-    }
+        )
+    ctx.plan(len(rows) * (1 + ctx.cfg.reps))
     ctx.record(*rows.values())
-    # Start the gated subject alone first: when the gate is not wired in yet, say so and
-    # spend no time on the rest.
-    ctx.step("gate: starting harvest + key pool")
-    row = rows[gated.name]
+    for subject in gated:  # a gated subject's leases a job: the gate is really on the way
+        ctx.step(f"gate: starting {subject.name}")
+        _leases_per_job(ctx, subject, rows[subject.name])
+    measure(ctx, "gate", [*plain, *gated], rows, warm=gated)
+    return list(rows.values())
+
+
+def _leases_per_job(ctx: Ctx, subject: HarvestSubject, row: Row) -> None:
+    """Start ``subject`` and record how many key leases each of its jobs took (one, or more
+    where a lease was lost and taken again); a subject that leased none is marked."""
     probe = warmup_jobs(ctx)
     try:
-        gated.start()
-        drain(gated, probe)  # the pool's fence counter exists once a lease was granted
-        before = gated.leases_granted()
-        drain(gated, probe)
-        granted = gated.leases_granted() - before if before else 0
+        subject.start()
+        drain(subject, probe)  # the pool's fence counter exists once a lease was granted
+        before = subject.leases_granted()
+        drain(subject, probe)
+        granted = subject.leases_granted() - before if before else 0
     except Exception as exc:
         row.unavailable = f"failed: {type(exc).__name__}: {exc}"[:300]
-        return list(rows.values())
+        return
     if granted < probe:
-        row.unavailable = (
-            f"not available: {probe} jobs ran but {granted} keys were leased"
-            " (the execution task does not honour JobSpec.pool yet)"
-        )
-        return list(rows.values())
+        row.unavailable = f"not measured: {probe} jobs ran but {granted} keys were leased"
+        return
     row.extra["leases_per_job"] = round(granted / probe, 3)
-    measure(ctx, "gate", [plain, gated], rows, warm=[gated])
-    return list(rows.values())

@@ -17,3 +17,12 @@ app = Harvest()
 @app.job(NOOP, max_attempts=3, timeout=60)
 def noop(ctx: JobContext) -> None:
     """Nothing: what is measured is the platform's cost per job."""
+
+
+NOOP_ASYNC = "bench.noop_async"
+
+
+@app.job(NOOP_ASYNC, max_attempts=3, timeout=60)
+async def noop_async(ctx: JobContext) -> None:
+    """Nothing, as an ``async def`` handler: many run at once on each process's event loop,
+    and their fenced writes and key leases are grouped."""

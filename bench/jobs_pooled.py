@@ -14,3 +14,11 @@ app = Harvest()
 @app.job(NOOP_POOLED, max_attempts=3, timeout=60, pool=POOL)
 def noop_pooled(ctx: JobContext) -> None:
     """Nothing, behind the key pool gate."""
+
+
+NOOP_POOLED_ASYNC = "bench.noop_pooled_async"
+
+
+@app.job(NOOP_POOLED_ASYNC, max_attempts=3, timeout=60, pool=POOL)
+async def noop_pooled_async(ctx: JobContext) -> None:
+    """Nothing, as an ``async def`` handler behind the key pool gate."""

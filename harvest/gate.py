@@ -26,9 +26,11 @@ from harvest.coordination.key_pool import (
     Busy,
     KeyPool,
     Lease,
+    Release,
     Throttled,
 )
 from harvest.coordination.rate_limit import AsyncRateLimiter, RateLimiter
+from harvest.coordination.turns import PerTurn
 from harvest.errors import PoolNotLoaded
 from harvest.service_limits import Announced
 
@@ -207,10 +209,9 @@ class AsyncGate:
         self._redis = redis
         self._pools: dict[str, AsyncKeyPool] = {}
         self._limiters: dict[str, AsyncRateLimiter] = {}
-        self._tries: dict[
-            tuple[str, int], list[tuple[str, asyncio.Future[Lease | Busy | None]]]
-        ] = {}
-        self._tasks: set[asyncio.Task[None]] = set()
+        # The tries and releases of one pool made in one turn of the loop go to Redis together.
+        self._tries = PerTurn(self._lease_each, MAX_BATCH, self._give_back)
+        self._releases = PerTurn(self._release_each, MAX_BATCH)
 
     def pool(self, name: str) -> AsyncKeyPool:
         pool = self._pools.get(name)
@@ -231,47 +232,25 @@ class AsyncGate:
         """A lease now, or Busy; None: Redis holds no such pool. The tries for a pool (at one
         cost) made in the same turn of the loop, such as a message's jobs arriving together,
         go to Redis as one script: a try at a full pool reads every key, once for them all."""
-        loop = asyncio.get_running_loop()
-        tries = self._tries.get((pool, cost))
-        if tries is None:
-            tries = self._tries[(pool, cost)] = []
-            task = loop.create_task(self._lease_tries(pool, cost))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-        future: asyncio.Future[Lease | Busy | None] = loop.create_future()
-        tries.append((holder, future))
-        return await future
+        return await self._tries((pool, cost), holder)
 
-    async def _lease_tries(self, pool: str, cost: int) -> None:
-        await asyncio.sleep(0)  # a turn of the loop: the tries made in it join
-        tries = self._tries.pop((pool, cost))
-        for start in range(0, len(tries), MAX_BATCH):  # a script takes MAX_BATCH at most
-            await self._lease_for(pool, cost, tries[start : start + MAX_BATCH])
-
-    async def _lease_for(
-        self, pool: str, cost: int, tries: list[tuple[str, asyncio.Future[Lease | Busy | None]]]
-    ) -> None:
+    async def _lease_each(
+        self, pool_cost: tuple[str, int], holders: list[str]
+    ) -> list[Lease | Busy | None]:
+        pool, cost = pool_cost
         try:
-            each: list[Lease | Busy | None] = [
-                *await self.pool(pool).lease_each([h for h, _ in tries], self.ttl, cost=cost)
-            ]
+            each = await self.pool(pool).lease_each(holders, self.ttl, cost=cost)
         except PoolNotLoaded:
-            each = [None] * len(tries)
-        except Exception as exc:
-            for _, future in tries:
-                if not future.done():
-                    future.set_exception(exc)
-            return
-        unwanted: list[Lease] = []  # leased for a job that stopped waiting (cancelled)
-        for (_, future), result in zip(tries, each, strict=True):
+            return [None] * len(holders)
+        for result in each:
             if isinstance(result, Lease):
                 self.gate.last_used.record(result.key_id)
-            if not future.done():
-                future.set_result(result)
-            elif isinstance(result, Lease):
-                unwanted.append(result)
-        for lease in unwanted:  # the keys go back once every waiting job has its answer
-            await self.release(lease)
+        return [*each]
+
+    async def _give_back(self, result: Lease | Busy | None) -> None:
+        """A lease taken for a job that stopped waiting (cancelled) goes back."""
+        if isinstance(result, Lease):
+            await self.release(result)
 
     async def load_pool(self, pool: str) -> None:
         await asyncio.to_thread(self.gate.load_pool, pool)
@@ -293,14 +272,18 @@ class AsyncGate:
         succeeded: bool = False,
         announced: Announced | None = None,
     ) -> None:
+        """Give ``lease`` back; the releases of a pool made in one turn of the loop (jobs
+        ending together) go in one round trip. A failure is logged: the lease expires."""
         try:
-            pool = self.pool(lease.pool)
-            if not await pool.release(lease, used=used, succeeded=succeeded, announced=announced):
+            if not await self._releases(lease.pool, (lease, used, succeeded, announced)):
                 _expired(lease)
         except Exception as exc:
             log.warning("key lease not released (%s); it expires by itself", type(exc).__name__)
         if self.gate.last_used.due():
             await asyncio.to_thread(self.gate.flush_last_used)
+
+    async def _release_each(self, pool: str, releases: list[Release]) -> list[bool]:
+        return await self.pool(pool).release_each(releases)
 
     async def release_then_lease(
         self, done: Lease, holder: str, cost: int = 0, *, used: int | None = None,

@@ -61,6 +61,7 @@ __all__ = [
 ]  # fmt: skip
 
 MAX_BATCH = 1000
+Release = tuple[Lease, "int | None", bool, "Announced | None"]  # lease, used, succeeded, said
 S = TypeVar("S", bound=Script)  # a pool's scripts: blocking or asyncio
 IDLE_RETRY = 1.0  # retry hint when no key can free up by time alone (none, or all disabled)
 _POLL_MAX = 0.25
@@ -79,6 +80,7 @@ class _PoolShape(Generic[S]):
         self._prefix = keys.pool_prefix(pool)
         self._epoch = keys.pool_epoch(pool)
         self._members = keys.pool_members(pool)
+        self._names: dict[int, tuple[str, str, str]] = {}
 
     def _lease_call(
         self, holders: Sequence[str], ttl: float, cost: int = 0, prefer: int = 0
@@ -124,9 +126,17 @@ class _PoolShape(Generic[S]):
         return leases or next(x for x in each if isinstance(x, Busy))
 
     def _leases_key(self, lease: Lease) -> str:
+        return self._key_names(lease)[0]
+
+    def _key_names(self, lease: Lease) -> tuple[str, str, str]:
+        """The leases, tokens and config keys of ``lease``'s key (built once a key)."""
         if lease.pool != self.pool:
             raise ValueError(f"lease of pool {lease.pool!r} given to pool {self.pool!r}")
-        return keys.pool_key_leases(self.pool, lease.key_id)
+        pool, k = self.pool, lease.key_id
+        if k not in self._names:
+            self._names[k] = (keys.pool_key_leases(pool, k), keys.pool_key_tokens(pool, k),
+                              keys.pool_key_config(pool, k))  # fmt: skip
+        return self._names[k]
 
     def _release_call(
         self,
@@ -139,11 +149,7 @@ class _PoolShape(Generic[S]):
         the key's learned limits back when the call ``succeeded``, keep what it ``announced``."""
         if used is not None:
             check_cost(used, "used tokens")
-        script_keys = [
-            self._leases_key(lease),
-            keys.pool_key_tokens(self.pool, lease.key_id),
-            keys.pool_key_config(self.pool, lease.key_id),
-        ]
+        script_keys = list(self._key_names(lease))
         learn = [1 if succeeded else 0, LEARNING.recover, LEARNING.step]
         said = announced.as_args() if announced is not None else NOTHING
         return script_keys, [
@@ -454,17 +460,11 @@ class AsyncKeyPool(_PoolShape[AsyncLuaScript]):
         )
         return read(await apipelined(self._redis, calls))
 
-    async def release(
-        self,
-        lease: Lease,
-        *,
-        used: int | None = None,
-        succeeded: bool = False,
-        announced: Announced | None = None,
-    ) -> bool:
-        """See :meth:`KeyPool.release`."""
-        call = self._release_call(lease, used, succeeded, announced)
-        return bool(await self._release.integer(*call))
+    async def release_each(self, releases: Sequence[Release]) -> list[bool]:
+        """:meth:`KeyPool.release` of each (lease, used, succeeded, announced), in one round
+        trip (the scripts pipelined, each atomic as alone)."""
+        calls = [(self._release, *self._release_call(*release)) for release in releases]
+        return [bool(int(v)) for v in _raised(await apipelined(self._redis, calls))]
 
     async def throttle(
         self, lease: Lease, seconds: float, *, exhausted: bool = False

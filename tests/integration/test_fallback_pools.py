@@ -168,14 +168,15 @@ def test_an_async_job_waiting_for_a_key_gets_it_in_the_round_trip_that_frees_it(
     together try a pool together, in one script. Every job runs once, on an attempt of its
     own, and no lease is left."""
     calls: list[str] = []
-    for name, label in (("lease_each", "lease"), ("release", "release"),
+    for name, label in (("lease_each", "lease"), ("release_each", "release"),
                         ("release_then_lease", "release+lease")):  # fmt: skip
         real = getattr(AsyncKeyPool, name)
 
         async def spy(
             self: AsyncKeyPool, *args: Any, _real: Any = real, _label: str = label, **kw: Any
         ) -> Any:
-            calls.append(_label)
+            released = len(args[0]) if _label == "release" else 1  # release_each: a list
+            calls.extend([_label] * released)
             return await _real(self, *args, **kw)
 
         monkeypatch.setattr(AsyncKeyPool, name, spy)
@@ -216,6 +217,37 @@ def test_async_jobs_waiting_for_their_only_pool_get_keys_freed_elsewhere_with_on
     assert calls[0] == 8, "the 8 jobs arriving together try the pool in one script"
     assert set(calls[1:]) == {1}, f"a try per waiting job, not one for the line: {calls}"
     assert {k.live_leases for k in pool.snapshot()} == {0}
+
+
+def test_keys_given_back_in_one_turn_of_the_loop_go_back_in_one_round_trip(
+    app: Harvest, runner: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """4 leases of one pool given back together (jobs ending in the same turn of the loop) go
+    to Redis in one round trip, and no lease is left."""
+    sizes: list[int] = []
+    real = AsyncKeyPool.release_each
+
+    async def spy(self: AsyncKeyPool, releases: Any) -> Any:
+        sizes.append(len(releases))
+        return await real(self, releases)
+
+    monkeypatch.setattr(AsyncKeyPool, "release_each", spy)
+    where = app.redis.get_connection_kwargs()
+
+    async def scenario() -> list[Lease | Busy | None]:
+        client = AsyncRedis(host=where["host"], port=where["port"], db=where["db"])
+        try:
+            gate = AsyncGate(runner.sync.gate, client)
+            leases = await asyncio.gather(*(gate.try_lease(FIRST, f"job-{i}") for i in range(4)))
+            await asyncio.gather(*(gate.release(x) for x in leases if isinstance(x, Lease)))
+            return leases
+        finally:
+            await client.aclose()
+
+    leases = asyncio.run(scenario())
+    assert sum(isinstance(x, Lease) for x in leases) == 4
+    assert sizes == [4], f"not one round trip for the 4 releases: {sizes}"
+    assert {k.live_leases for k in KeyPool(app.redis, FIRST).snapshot()} == {0}
 
 
 def test_more_lease_tries_at_once_than_one_script_takes_are_split_not_refused(
