@@ -105,6 +105,7 @@ def test_each_job_attempt_is_a_task_in_flower_under_its_own_name(
     cluster.worker("execution", concurrency=1)
     cluster.beat()
     time.sleep(2.0)  # Flower sees the workers come up (its event receiver is already on)
+    enqueued_at = time.time()
     ok = client_app.enqueue("echo", {"value": "hello"})
     dead = client_app.enqueue("always_fails", {"message": "flower-boom"})
 
@@ -127,6 +128,8 @@ def test_each_job_attempt_is_a_task_in_flower_under_its_own_name(
     [success] = by_name["echo"]
     assert success["state"] == "SUCCESS" and "hello" in str(success["result"])
     assert "hello" in str(success["args"])
+    stamps = [success["received"], success["started"], success["succeeded"]]
+    assert enqueued_at <= stamps[0] <= stamps[1] <= stamps[2] <= time.time(), stamps  # type: ignore[operator]
     failure = next(t for t in by_name["always_fails"] if t["state"] == "FAILURE")
     assert "flower-boom (attempt 3)" in str(failure["exception"])
     assert str(failure["worker"]).startswith("execution")
