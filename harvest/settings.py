@@ -109,8 +109,8 @@ class Settings(BaseSettings):
     worker_concurrency: int = Field(default=2, ge=1)
     task_events: bool = Field(
         default=True,
-        description="Workers send Celery task events (Flower's live view). Off: Celery's "
-        "default; Flower turns them on while it runs (every 5 s).",
+        description="Workers send Celery task events (Flower's live view). Off: no job "
+        "events at all (Flower's enable_events does not reach the execution children).",
     )
     tick_events: bool = Field(
         default=False,
