@@ -73,7 +73,9 @@ def run(ctx: Ctx) -> list[Row]:
             "enqueue",
             "harvest enqueue()",
             "jobs/s",
-            comparisons=[Comparison("raw INSERT", None, "vs raw INSERT")],
+            comparisons=[
+                Comparison("raw INSERT", Target("ratio_min", 0.7, "≥ 0.7x"), "vs raw INSERT")
+            ],
             note="one job per call and transaction, 1 process",
         ),
         "insert": Row("enqueue", "raw INSERT", "jobs/s", note="psycopg, prepared, autocommit"),

@@ -122,8 +122,24 @@ class DepthGauge:
         finally:
             self._done(demands, fast, admission)
 
-    def _decide(self, demands: Mapping[Limit, int]) -> bool:
-        """Fast (trust the cached count) or exact; registers this admission as in flight."""
+    @contextmanager
+    def trusted(self, demands: Mapping[Limit, int]) -> Iterator[list[str] | None]:
+        """The fast path alone, for a caller that takes the locks in its own statement: when
+        the cached counts admit ``demands`` without counting, yield the keys whose depth locks
+        it must take *shared* (sorted, :func:`harvest.store.lock_depth`'s keys) before it
+        inserts, in the same transaction; otherwise yield None and register nothing (the
+        caller then goes through :meth:`admit`)."""
+        if not self._decide(demands, exact=False):
+            yield None
+            return
+        try:
+            yield sorted(lim.key for lim in demands)
+        finally:
+            self._done(demands, True, None)
+
+    def _decide(self, demands: Mapping[Limit, int], *, exact: bool = True) -> bool:
+        """Fast (trust the cached count) or exact; registers this admission as in flight (an
+        exact one only with ``exact``)."""
         now = time.monotonic()
         with self._lock:
             fast = all(
@@ -137,7 +153,7 @@ class DepthGauge:
                 if fast:
                     self._counts[lim.key].depth += n  # reserved
                     self._fast_in_flight[lim.key] += n
-                else:
+                elif exact:
                     self._exact_in_flight[lim.key] += 1
         return fast
 

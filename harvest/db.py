@@ -7,11 +7,12 @@ Driver errors become :class:`harvest.errors.ServiceUnavailable` at one boundary
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
-from sqlalchemy import Engine, create_engine, select
-from sqlalchemy.exc import IntegrityError, InterfaceError, OperationalError
+from sqlalchemy import Engine, create_engine, event, select
+from sqlalchemy.exc import DisconnectionError, IntegrityError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 from harvest.errors import GetOrCreateConflict, ServiceUnavailable
@@ -53,20 +54,53 @@ def make_engine(
     settings: Settings, *, pool_size: int | None = None, execution: bool = False
 ) -> Engine:
     """An engine sized for one process (a prefork child holds a couple of connections).
+    A connection is pinged at checkout only when it has been idle (:func:`_ping_when_idle`).
 
     ``execution`` (an execution worker's): no ping before each checkout (a round trip, and a
     transaction, for each statement: a third of that worker's Postgres transactions), as its
     statements retry once on a fresh connection when the old one died instead; and generic
     plans (see :func:`connect_options`)."""
-    return create_engine(
+    engine = create_engine(
         settings.database_url,
         pool_size=pool_size or settings.db_pool_size,
         max_overflow=settings.db_max_overflow,
-        pool_pre_ping=not execution,
         pool_timeout=10,
         pool_recycle=1800,
         connect_args=connect_options(settings, generic_plans=execution),
     )
+    if not execution:
+        _ping_when_idle(engine)
+    return engine
+
+
+TRUSTED_FOR = 0.25  # seconds after its last use that a pooled connection is not pinged
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """Ping a pooled connection at checkout, as ``pool_pre_ping`` does, unless it came back to
+    the pool less than :data:`TRUSTED_FOR` seconds ago (HikariCP's ``aliveBypassWindowMs``).
+    The ping is a round trip of its own, as much as a one-statement enqueue's; a connection
+    in steady use does without, and one that died in that window fails its statement, which
+    the caller sees as :class:`~harvest.errors.ServiceUnavailable` (as it would had the
+    connection died just after a ping), and the pool then replaces every connection. A
+    failed ping makes the pool try a fresh connection, as ``pool_pre_ping``'s does."""
+
+    def used(dbapi_connection: Any, record: Any, *_: Any) -> None:
+        record.info["harvest_used_at"] = time.monotonic()
+
+    def checkout(dbapi_connection: Any, record: Any, proxy: Any) -> None:
+        if time.monotonic() - record.info.get("harvest_used_at", 0.0) < TRUSTED_FOR:
+            return
+        try:
+            alive = engine.dialect.do_ping(dbapi_connection)
+        except engine.dialect.loaded_dbapi.Error as exc:
+            raise DisconnectionError(str(exc)) from exc
+        if not alive:
+            raise DisconnectionError("ping failed")
+
+    event.listen(engine, "connect", used)
+    event.listen(engine, "checkin", used)
+    event.listen(engine, "checkout", checkout)
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:

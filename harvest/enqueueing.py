@@ -167,7 +167,17 @@ class Enqueueing:
         self, job: store.NewJob, demands: dict[Limit, int], connection: CallerConnection | None
     ) -> tuple[int, bool]:
         """Store ``job`` if it fits under the depth limits (QueueFull if not): its id and True,
-        or the id of the job stored before with its idempotency key and False."""
+        or the id of the job stored before with its idempotency key and False.
+
+        The common case, a job of harvest's own transaction without an idempotency key whose
+        limits are far from full, is one statement in one round trip (its locks and its row,
+        :func:`harvest.store.insert_admitted`); the rest is a transaction of several."""
+        if connection is None and job.idempotency_key is None:
+            with self._lazy.gauge.trusted(demands) as keys:
+                if keys is not None:
+                    with translate_errors(), self.engine.connect() as conn:
+                        conn.execution_options(isolation_level="AUTOCOMMIT")
+                        return store.insert_admitted(conn, job, keys), True
         with translate_errors(), self._transaction(connection) as session:
             conn = session.connection()
             if job.idempotency_key is not None:

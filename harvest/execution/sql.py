@@ -10,6 +10,7 @@ statement with one row is the single-job form.
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,12 @@ class Query(Generic[T]):
     sql: str
     params: Mapping[str, Any]
     parse: Callable[[list[Any]], T]
+
+
+def psycopg_style(sql: str) -> str:
+    """SQL written with SQLAlchemy's ``:name`` parameters in psycopg's own ``%(name)s`` style,
+    for the statements run here on the driver connection."""
+    return re.sub(r"(?<![:\w]):(\w+)", r"%(\1)s", sql.replace("%", "%%"))
 
 
 def raw(conn: Connection | PgConnection[Any]) -> PgConnection[Any]:
@@ -62,6 +69,30 @@ def run(conn: Connection | PgConnection[Any], query: Query[T]) -> T:
     with driver.cursor(row_factory=namedtuple_row) as cur:
         cur.execute(query.sql, query.params, prepare=prepares(driver))
         return query.parse(cur.fetchall() if cur.description else [])
+
+
+def run_generic(conn: Connection | PgConnection[Any], query: Query[T]) -> T:
+    """:func:`run` on an autocommit connection, with a generic plan for ``query`` however
+    the session plans the rest: ``plan_cache_mode`` is set for the statement alone, in one
+    pipeline (one round trip, one implicit transaction: should the statement fail, the
+    setting is rolled back with it).
+
+    For a statement whose plan is the same for all its parameters, but whose custom plan
+    Postgres would otherwise make again at every run, because a generic plan's estimates
+    (ten percent of the rows for a ``LIMIT`` it cannot see) cost more than a custom one's."""
+    driver = raw(conn)
+    if not prepares(driver) or not driver.autocommit:
+        return run(driver, query)
+    with driver.cursor(row_factory=namedtuple_row) as cur:
+        with driver.pipeline():
+            driver.execute(_GENERIC)
+            cur.execute(query.sql, query.params, prepare=True)
+            driver.execute(_DEFAULT_PLANS)
+        return query.parse(cur.fetchall() if cur.description else [])
+
+
+_GENERIC = "SET plan_cache_mode = force_generic_plan"
+_DEFAULT_PLANS = "RESET plan_cache_mode"
 
 
 async def arun(conn: AsyncConnection[Any], query: Query[T]) -> T:

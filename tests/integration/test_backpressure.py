@@ -278,3 +278,32 @@ def test_far_from_the_limit_enqueue_does_not_count_every_time(
         assert counts.count("job:limited") == 3
     finally:
         app.close()
+
+
+def test_an_enqueue_far_from_the_limit_waits_for_an_exact_count_in_flight(
+    migrated: Settings, clean_db: Engine, redis_client: redis.Redis
+) -> None:
+    """The trusted enqueue (one statement: its shared depth lock, then its row) still waits
+    for a count under the exclusive lock in another process, so that count never misses a
+    row being made: the exactness near the limit rests on it."""
+    from harvest import store
+
+    app = make_app(migrated, redis_client)  # the default limit, 1,000,000: far from it
+    try:
+        app.enqueue("echo", {})  # counted once; the next ones trust that count
+        done = threading.Event()
+        with clean_db.connect() as counter:
+            counter.execute(
+                text("SELECT pg_advisory_xact_lock(:cls, hashtext(:key))"),
+                {"cls": store.enqueue._LOCK_CLASS, "key": f"queue:{app.spec('echo').queue}"},
+            )
+            worker = threading.Thread(target=lambda: (app.enqueue("echo", {}), done.set()))
+            worker.start()
+            assert not done.wait(0.5), "the enqueue went past an exclusive depth lock"
+            assert rows(clean_db) == 1
+            counter.rollback()  # the count ends
+        assert done.wait(10)
+        worker.join()
+        assert rows(clean_db) == 2
+    finally:
+        app.close()

@@ -378,3 +378,27 @@ def test_cancel_of_pending_job_is_immediate_and_never_claimed(
     assert app.get(cancelled.id).dispatched_at is None
     # Cancelling a finished job changes nothing and says what it is.
     assert app.cancel(cancelled.id) is JobStatus.CANCELLED
+
+
+def test_an_enqueue_after_postgres_dropped_its_idle_connection_succeeds(
+    app: Harvest, clean_db: Engine
+) -> None:
+    """An enqueue is one round trip while its pooled connection is in steady use (no ping);
+    a connection idle for longer than ``TRUSTED_FOR`` is pinged first, so one that Postgres
+    dropped meanwhile (a restart, an idle timeout, an operator) is replaced, not failed on."""
+    from harvest.db import TRUSTED_FOR
+
+    seed(app)
+    with clean_db.connect() as admin:
+        killed = admin.execute(
+            text(
+                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                "WHERE application_name = 'harvest' AND datname = current_database() "
+                "AND pid <> pg_backend_pid()"
+            )
+        ).scalar_one()
+    assert killed >= 1  # the app's own connection among them
+    time.sleep(TRUSTED_FOR + 0.1)
+    ref = app.enqueue("echo", {"value": "after"})
+    assert ref.created and app.get(ref.id).status == JobStatus.PENDING
+    assert count_jobs(clean_db) == 2
