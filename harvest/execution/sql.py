@@ -73,9 +73,9 @@ def run(conn: Connection | PgConnection[Any], query: Query[T]) -> T:
 
 def run_generic(conn: Connection | PgConnection[Any], query: Query[T]) -> T:
     """:func:`run` on an autocommit connection, with a generic plan for ``query`` however
-    the session plans the rest: ``plan_cache_mode`` is set for the statement alone, in one
-    pipeline (one round trip, one implicit transaction: should the statement fail, the
-    setting is rolled back with it).
+    the session plans the rest: ``plan_cache_mode`` is set for the statement alone and reset
+    after it, the three in one pipeline (one round trip); should the statement fail, the
+    setting does not outlive it either (its transaction is rolled back, the SET with it).
 
     For a statement whose plan is the same for all its parameters, but whose custom plan
     Postgres would otherwise make again at every run, because a generic plan's estimates

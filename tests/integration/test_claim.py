@@ -254,3 +254,28 @@ def test_claim_skips_rows_locked_by_another_claimer(clean_db: Engine) -> None:
         tx.commit()
     assert sorted(held + other) == ids
     assert not set(held) & set(other)
+
+
+def test_the_claims_generic_plan_setting_never_outlives_its_statement(clean_db: Engine) -> None:
+    """The claim's generic plan is set for its own statement only: after a claim, and after
+    a statement that failed in its place, the connection plans as the session says (the
+    dispatcher's other statements on that connection keep custom plans)."""
+    from harvest.execution import sql as statements
+
+    insert_due(clean_db, 3)
+    with clean_db.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT")
+        raw = conn.connection.driver_connection
+        assert raw is not None
+
+        def mode() -> str:
+            return str(raw.execute("SHOW plan_cache_mode").fetchone()[0])  # type: ignore[index]
+
+        assert mode() == "auto"
+        assert len(store.claim_due(conn, limit=2, ttl=60)) == 2
+        assert mode() == "auto"
+        failing = statements.Query("SELECT 1 / %(zero)s AS x", {"zero": 0}, list)
+        with pytest.raises(Exception, match="division by zero"):
+            statements.run_generic(conn, failing)
+        assert mode() == "auto"
+        assert len(store.claim_due(conn, limit=2, ttl=60)) == 1  # the connection still works
