@@ -13,7 +13,9 @@ app = Harvest()
 
 @app.job(NOOP_POOLED, max_attempts=3, timeout=60, pool=POOL)
 def noop_pooled(ctx: JobContext) -> None:
-    """Nothing, behind the key pool gate."""
+    """Nothing, behind the key pool gate (fails without a key lease: the gate is on the way)."""
+    if ctx.lease is None:
+        raise RuntimeError("ran without a key lease")
 
 
 NOOP_POOLED_ASYNC = "bench.noop_pooled_async"
@@ -21,4 +23,6 @@ NOOP_POOLED_ASYNC = "bench.noop_pooled_async"
 
 @app.job(NOOP_POOLED_ASYNC, max_attempts=3, timeout=60, pool=POOL)
 async def noop_pooled_async(ctx: JobContext) -> None:
-    """Nothing, as an ``async def`` handler behind the key pool gate."""
+    """Nothing, as an ``async def`` handler behind the key pool gate (fails without a lease)."""
+    if ctx.lease is None:
+        raise RuntimeError("ran without a key lease")

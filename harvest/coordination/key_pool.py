@@ -111,10 +111,10 @@ class _PoolShape(Generic[S]):
         retry_us = int(reply[1])
         busy = Busy(IDLE_RETRY if retry_us < 0 else to_seconds(retry_us), retry_us == -2)
         rows, ttl_us = [int(v) for v in reply[2:]], int(args[1])
-        triples = zip(rows[0::3], rows[1::3], rows[2::3], strict=True)  # key, fence, expiry
-        leases: list[Lease | Busy] = [
-            Lease(self.pool, key, token, fence, to_seconds(end), cost, to_seconds(end - ttl_us))
-            for token, (key, fence, end) in zip(tokens, triples, strict=False)
+        each = zip(rows[0::4], rows[1::4], rows[2::4], rows[3::4], strict=True)
+        leases: list[Lease | Busy] = [  # each: key, fence, expiry, plain
+            Lease(self.pool, k, tok, fence, to_seconds(end), cost, to_seconds(end - ttl_us), p == 1)
+            for tok, (k, fence, end, p) in zip(tokens, each, strict=False)
         ]
         return leases + [busy] * (len(tokens) - len(leases))
 

@@ -190,6 +190,8 @@ class Lease:
     expires_at: float
     cost: int = 0  # tokens reserved on the key (settled at release with what the call used)
     granted_at: float = 0.0
+    plain: bool = False  # at its grant the key had no rate, token budget, learned limit or
+    # announcement: only its concurrency bounds it (see SyncShell.release_then_lease)
 
 
 @dataclass(frozen=True)

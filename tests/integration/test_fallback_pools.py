@@ -16,10 +16,11 @@ import redis
 from cryptography.fernet import Fernet
 from pydantic import SecretStr
 from redis.asyncio import Redis as AsyncRedis
-from sqlalchemy import Engine
+from sqlalchemy import Engine, text
 
 from harvest import dispatcher, keystore, store
 from harvest.app import Harvest
+from harvest.coordination import keys as keys_module
 from harvest.coordination.key_pool import AsyncKeyPool, Busy, KeyPool, Lease
 from harvest.execution import sql
 from harvest.gate import AsyncGate
@@ -122,13 +123,23 @@ def test_a_keyed_jobs_end_and_the_next_ones_start_go_in_one_statement(
     assert sent == ["hold", "start", *["finish+start"] * 3, "finish"]
 
 
-def test_a_keyed_jobs_key_goes_back_with_the_next_ones_lease_in_one_round_trip(
-    app: Harvest, runner: Runner, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("rate", [None, "6000/m"])
+def test_a_keyed_jobs_key_passes_to_the_next_job_or_goes_back_with_its_lease_in_one_round_trip(
+    app: Harvest, runner: Runner, monkeypatch: pytest.MonkeyPatch, rate: str | None
 ) -> None:
-    """In a message of keyed jobs, each job's key is given back in the same Redis round trip
-    as the next job's lease (two scripts pipelined, the release first): 5 round trips for 4
-    jobs, not 8. Every job still holds its own lease (a fence of its own), and no lease is
-    left when the message is done."""
+    """In a message of keyed jobs, a key bound by its concurrency alone passes from each job
+    to the next one of the message, with no Redis round trip: 2 for 4 jobs (the first lease,
+    the last release), one lease (one fence) for them all. A key with a rate limit counts
+    every call: each job's key is given back in the round trip of the next job's lease (two
+    scripts pipelined, the release first), 5 round trips, a lease (a fence) a job, and the
+    key's rate window holds a grant a job. No lease is left when the message is done."""
+    if rate is not None:
+        with app.engine.begin() as conn:
+            conn.execute(
+                text("UPDATE harvest_api_keys SET rate_limit = :r WHERE pool = :p"),
+                {"r": rate, "p": FIRST},
+            )
+        keystore.sync_pool(app.engine, app.redis, FIRST)
     calls: list[str] = []
     for name, label in (("lease", "lease"), ("release", "release"),
                         ("release_then_lease", "release+lease")):  # fmt: skip
@@ -141,21 +152,19 @@ def test_a_keyed_jobs_key_goes_back_with_the_next_ones_lease_in_one_round_trip(
             return _real(self, *args, **kw)
 
         monkeypatch.setattr(KeyPool, name, spy)
-    fences: list[int] = []
-    take = runner.sync.gate.release_then_lease
-
-    def fenced(*args: Any, **kw: Any) -> Any:
-        result = take(*args, **kw)
-        fences.append(result.fence)
-        return result
-
-    monkeypatch.setattr(runner.sync.gate, "release_then_lease", fenced)
     jobs = run(app, runner, "fallback_call", 4)
     assert {(job.status, job.attempts, job.result["pool"]) for job in jobs} == {
         (JobStatus.SUCCEEDED, 1, FIRST)
     }
-    assert calls == ["lease", *["release+lease"] * 3, "release"]
-    assert len(set(fences)) == 3 and fences == sorted(fences)
+    keys = {job.result["key_id"] for job in jobs}
+    if rate is None:
+        assert calls == ["lease", "release"]
+        assert len(keys) == 1  # the one lease, passed on
+    else:
+        assert calls == ["lease", *["release+lease"] * 3, "release"]
+        grants = sum(int(app.redis.zcard(f"{prefix}rate:{k}")) for k in _key_ids(app)
+                     for prefix in [keys_module.pool_prefix(FIRST)])  # fmt: skip
+        assert grants == 4
     assert [k.live_leases for k in KeyPool(app.redis, FIRST).snapshot()] == [0, 0]
 
 

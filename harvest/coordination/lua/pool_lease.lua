@@ -30,7 +30,11 @@
 --          load as it was (the slot freed is taken again); otherwise the pool is scanned.
 -- ARGV[5..] one token per lease wanted
 -- Returns  {-1} when the pool is not loaded; otherwise
---          {granted, retry_after_us, key_id_1, fence_1, expires_at_us_1, key_id_2, ...}
+--          {granted, retry_after_us, key_id_1, fence_1, expires_at_us_1, plain_1, key_id_2, ...}
+--          where plain is 1 when the key has no rate limit, no token budget, no learned limit
+--          below its declared concurrency and no announcement running (a lease of such a key
+--          may pass from a call to the next in its process without asking again: see
+--          sync_shell.py), else 0
 --          where retry_after_us (when fewer than wanted were granted) is the time until a key
 --          could be usable again (earliest lease expiry, cooldown end, rate or token window slide),
 --          -1 when time alone frees nothing (no keys, or all disabled), -2 when the cost is above
@@ -100,6 +104,7 @@ local function load_key(id)
     return nil -- this key's budget can never hold one such call
   end
   local k = {id = id, max = learned(tonumber(c[1]), c[5]), leases = prefix .. 'leases:' .. id,
+    lowered = learned(tonumber(c[1]), c[5]) < tonumber(c[1]),
     config = config, budget = tpm, rate_n = 0, used = 0, tpm = 0, spent = 0, entries = {}}
   k.live = redis.call('ZCOUNT', k.leases, live_from, '+inf')
   if k.live >= k.max then
@@ -174,6 +179,14 @@ local function pick(keys)
     end
   end
   return best
+end
+
+local function plain(k)
+  if k.rate_n == 0 and k.budget == 0 and not k.lowered and k.ann_req == nil
+      and k.ann_tok == nil then
+    return 1
+  end
+  return 0
 end
 
 local function next_fence()
@@ -255,8 +268,9 @@ end
 if prefer ~= '0' and #ARGV == FIRST and redis.call('ZSCORE', KEYS[2], prefer) then
   local k = load_key(prefer)
   if k and not k.partial and admits(k) then
+    local flag = plain(k)
     local fence = grant(k, ARGV[FIRST])
-    return {1, 0, tonumber(k.id), fence, now + ttl}
+    return {1, 0, tonumber(k.id), fence, now + ttl, flag}
   end
 end
 
@@ -267,11 +281,13 @@ for i = FIRST, #ARGV do
   if k == nil then
     break
   end
+  local flag = plain(k)
   local fence = grant(k, ARGV[i])
   out[1] = out[1] + 1
   table.insert(out, tonumber(k.id))
   table.insert(out, fence)
   table.insert(out, now + ttl)
+  table.insert(out, flag)
 end
 if out[1] < #ARGV - FIRST + 1 then
   for _, k in ipairs(keys) do
