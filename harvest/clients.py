@@ -1,4 +1,5 @@
-"""Worker-side resources: a pool of reusable clients per API key.
+"""Worker-side resources: reusable clients per API key (pooled for sync jobs, shared on the
+event loop for async ones).
 
 An HTTP client holds connections (TLS handshakes are the slow part of calling an API), so a
 worker keeps clients per key and hands them to the jobs that lease that key: as many as are
@@ -15,6 +16,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
+
+import httpx
 
 C = TypeVar("C")
 
@@ -127,3 +130,40 @@ class ClientPool(Generic[C]):
                 for _, client in slot.idle:
                     self._close(client)
                 slot.idle.clear()
+
+
+CLIENT_IDLE = 300.0  # an HTTP client of a key unused this long is closed
+
+
+class AsyncClients:
+    """One ``httpx.AsyncClient`` per API key on this loop, shared by the jobs holding that key
+    (an AsyncClient is safe to share between tasks; its keep-alive pool is the point).
+    The key's own lease limits how many calls use it at once."""
+
+    def __init__(self, *, idle: float = CLIENT_IDLE) -> None:
+        self.idle = idle
+        self._clients: dict[int, tuple[httpx.AsyncClient, float]] = {}
+
+    def get(self, key_id: int, secret: str) -> httpx.AsyncClient:
+        found = self._clients.get(key_id)
+        client = found[0] if found is not None and not found[0].is_closed else None
+        if client is None:
+            client = httpx.AsyncClient(
+                headers={"Authorization": f"Bearer {secret}"},
+                timeout=30.0,
+                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+            )
+        self._clients[key_id] = (client, time.monotonic())
+        return client
+
+    async def prune(self) -> None:
+        cutoff = time.monotonic() - self.idle
+        for key_id, (client, used) in list(self._clients.items()):
+            if used < cutoff:
+                del self._clients[key_id]
+                await client.aclose()
+
+    async def close(self) -> None:
+        clients, self._clients = self._clients, {}
+        for client, _ in clients.values():
+            await client.aclose()

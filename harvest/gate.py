@@ -111,6 +111,10 @@ class Gate:
         self.flush_last_used()
         return result
 
+    def reused(self, lease: Lease) -> None:
+        """A key lease passed from one job to the next without Redis: its key was used."""
+        self.last_used.record(lease.key_id)
+
     def settled(self, done: Lease, freed: bool, result: Lease | Busy) -> None:
         """What a release-then-lease said: the lease given back had expired; a key was used."""
         if not freed:
@@ -281,6 +285,9 @@ class AsyncGate:
             log.warning("key lease not released (%s); it expires by itself", type(exc).__name__)
         if self.gate.last_used.due():
             await asyncio.to_thread(self.gate.flush_last_used)
+
+    def reused(self, lease: Lease) -> None:
+        self.gate.reused(lease)
 
     async def _release_each(self, pool: str, releases: list[Release]) -> list[bool]:
         return await self.pool(pool).release_each(releases)

@@ -18,10 +18,10 @@ from collections.abc import Generator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-import httpx
 from psycopg_pool import AsyncConnectionPool
 from redis.asyncio import Redis as AsyncRedis
 
+from harvest.clients import AsyncClients
 from harvest.context import JobContext
 from harvest.coordination.key_state import Busy, Lease
 from harvest.execution import core, sql, tracking
@@ -30,7 +30,7 @@ from harvest.execution.observe import Received, notify
 from harvest.execution.tracking import Tracked
 from harvest.execution.writer import Writer
 from harvest.gate import AsyncGate, Gate
-from harvest.service_limits import Announced
+from harvest.jobs import Started
 from harvest.usage import Tally
 
 if TYPE_CHECKING:
@@ -39,8 +39,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("harvest.runner")
 
 T = TypeVar("T")
-CLIENT_IDLE = 300.0  # an HTTP client of a key unused this long is closed
 MIN_POLL = 0.005  # shortest pause between two lease tries for the jobs waiting in line
+PARK = 0.05  # seconds a key lease that may pass on waits here for the next job of its pool
 
 
 @dataclass(slots=True, eq=False)
@@ -87,40 +87,6 @@ class Stop:
             self.sent -= 1
 
 
-class AsyncClients:
-    """One ``httpx.AsyncClient`` per API key on this loop, shared by the jobs holding that key
-    (an AsyncClient is safe to share between tasks; its keep-alive pool is the point).
-    The key's own lease limits how many calls use it at once."""
-
-    def __init__(self, *, idle: float = CLIENT_IDLE) -> None:
-        self.idle = idle
-        self._clients: dict[int, tuple[httpx.AsyncClient, float]] = {}
-
-    def get(self, key_id: int, secret: str) -> httpx.AsyncClient:
-        found = self._clients.get(key_id)
-        client = found[0] if found is not None and not found[0].is_closed else None
-        if client is None:
-            client = httpx.AsyncClient(
-                headers={"Authorization": f"Bearer {secret}"},
-                timeout=30.0,
-                limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
-            )
-        self._clients[key_id] = (client, time.monotonic())
-        return client
-
-    async def prune(self) -> None:
-        cutoff = time.monotonic() - self.idle
-        for key_id, (client, used) in list(self._clients.items()):
-            if used < cutoff:
-                del self._clients[key_id]
-                await client.aclose()
-
-    async def close(self) -> None:
-        clients, self._clients = self._clients, {}
-        for client, _ in clients.values():
-            await client.aclose()
-
-
 class AsyncShell:
     def __init__(
         self,
@@ -141,11 +107,17 @@ class AsyncShell:
         self.tracked: dict[int, Tracked] = {}
         self._waiting: dict[str, collections.deque[Waiter]] = {}  # by pool, oldest first
         self._probes: dict[str, asyncio.Task[None]] = {}  # by pool, while jobs wait for it
+        # Key leases given back that may pass on as they are, by pool, oldest first, each with
+        # when (monotonic) it goes back to Redis if no job of its pool has taken it over.
+        self._parked: dict[str, collections.deque[tuple[fx.ReleaseKey, float]]] = {}
+        self._unparking: set[str] = set()  # pools with a timer to give back what waited out
+        self._giving_back: set[asyncio.Task[None]] = set()
 
     # --- a message ------------------------------------------------------------------------
 
-    def track(self, pair: sql.Pair, held: sql.Held) -> Tracked:
-        tracked = Tracked.of(pair, held)
+    def track(self, pair: sql.Pair, held: sql.Held | Started) -> Tracked:
+        """A job held here (or held and started in one write: a :class:`Started`)."""
+        tracked = Tracked.begun(pair, held) if isinstance(held, Started) else Tracked.of(pair, held)
         self.tracked[tracked.job_id] = tracked
         event = Received(pair[0], held.name, tracked.attempt, self.plan.worker)
         notify(self.app.observers, event)
@@ -155,16 +127,37 @@ class AsyncShell:
         if self.tracked.get(tracked.job_id) is tracked:
             del self.tracked[tracked.job_id]
 
-    async def run(self, tracked: Tracked, held: sql.Held) -> tuple[str, ...]:
-        """One held job, start to end."""
-        spec = self.app.jobs.get(held.name)
+    async def run(self, tracked: Tracked, held: sql.Held | None) -> tuple[str, ...]:
+        """One held job, start to end (``held`` None: it was held and started in one write)."""
+        spec = self.app.jobs.get(tracked.name)
         try:
-            attempt = core.attempt(
-                tracked, spec, self.plan, deferred_for=held.deferred_for, payload=held.payload
-            )
+            if held is None:
+                attempt = core.attempt(tracked, spec, self.plan)
+            else:
+                attempt = core.attempt(
+                    tracked, spec, self.plan, deferred_for=held.deferred_for, payload=held.payload
+                )
             return await self.drive(attempt)
         finally:
             self.untrack(tracked)
+
+    async def run_delivered(self, pair: sql.Pair, name: str | None) -> tuple[str, ...]:
+        """A job of a message, from its hold to its end. One that needs nothing of the gate
+        is held and started in one write (:func:`core.starts_at_hold`); any other is held,
+        and starts once the gate lets it."""
+        if not core.starts_at_hold(self.app.jobs.get(name or "")):
+            held = await self.writer.hold(pair)
+            if held is None:
+                self.writer.bump(core.DUPLICATES)
+                log.info("job %s: suppressed a duplicate or stale delivery", pair[0])
+                return ("suppressed",)
+            return await self.run(self.track(pair, held), held)
+        answer = await self.writer.start(pair)
+        if not isinstance(answer, Started):
+            if answer is None:
+                log.info("job %s: suppressed a duplicate or stale delivery", pair[0])
+            return await self.drive(core.not_started(answer))
+        return await self.run(self.track(pair, answer), None)
 
     # --- the driver -----------------------------------------------------------------------
 
@@ -191,6 +184,9 @@ class AsyncShell:
             case fx.LeaseKey(pool, holder, cost):
                 if self._first_waiting(pool) is not None:  # behind the jobs here waiting for it
                     return Busy(core.KEY_POLL)
+                passed = self._take_parked(pool, cost)
+                if passed is not None:
+                    return passed
                 return await self.gate.try_lease(pool, holder, cost)
             case fx.LoadPool(pool):
                 return await self.gate.load_pool(pool)
@@ -205,13 +201,15 @@ class AsyncShell:
             case fx.RunHandler():
                 return await self.run_handler(e)
             case fx.CoolKey(lease, seconds, exhausted):
+                self._unpark_key(lease)
                 return await self.gate.rate_limited(lease, seconds, exhausted)
             case fx.DisableKey(lease):
+                self._unpark_key(lease)
                 return await self.gate.rejected(lease)
             case fx.Finish(row):
                 return await self.writer.finish(row)
-            case fx.ReleaseKey(lease, used, succeeded, announced):
-                return await self._release(lease, used, succeeded, announced)
+            case fx.ReleaseKey():
+                return await self._release(e)
             case fx.CountUsage(call):
                 return self.usage.add(call)
             case fx.Bump(name, n):
@@ -282,20 +280,32 @@ class AsyncShell:
         else:
             await self.gate.release(lease)
 
-    async def _release(
-        self, lease: Lease, used: int | None, succeeded: bool, announced: Announced | None
-    ) -> None:
-        """Give a key back; when a job of this process waits for its pool, lease for it in the
-        same round trip (the slot is taken as it is freed: no idle key between two jobs, no
-        wake-up and second round trip before the waiter's call). When that lease finds no key
+    async def _release(self, done: fx.ReleaseKey, *, park: bool = True) -> None:
+        """Give a key back. Where its limits allow (:func:`core.passable`), with no Redis round
+        trip: to the first job of this process waiting for its pool, or parked for a job of the
+        pool that comes within :data:`PARK` seconds (:meth:`_take_parked`), then back to Redis.
+        Otherwise, when a job of this process waits for its pool, lease for it in the same
+        round trip (the slot is taken as it is freed: no idle key between two jobs, no
+        wake-up and second round trip before the waiter's call); when that lease finds no key
         that admits the call, a job that waits for this pool alone keeps its place in line."""
+        lease, ttl = done.lease, self.plan.lease_ttl
+        now = time.time()
+        passable = park and core.passable(done, now, ttl)
         waiter = self._next_waiter(lease.pool)
         if waiter is None:
-            await self.gate.release(lease, used, succeeded, announced)
+            if passable:
+                self._park(done)
+            else:
+                await self.gate.release(lease, done.used, done.succeeded, done.announced)
+            return
+        if passable and core.takes_over(lease, lease.pool, waiter.cost, now, ttl):
+            self.gate.reused(lease)
+            waiter.handed.set_result(lease)
             return
         result = await self.gate.release_then_lease(
-            lease, waiter.holder, waiter.cost, used=used, succeeded=succeeded, announced=announced
-        )
+            lease, waiter.holder, waiter.cost, used=done.used, succeeded=done.succeeded,
+            announced=done.announced,
+        )  # fmt: skip
         handed = result if isinstance(result, Lease) else None
         if waiter.handed.done():  # it stopped waiting meanwhile (its task was cancelled)
             if handed is not None:
@@ -305,6 +315,61 @@ class AsyncShell:
             self._probe_pool(lease.pool)
         else:
             waiter.handed.set_result(handed)
+
+    def _park(self, done: fx.ReleaseKey) -> None:
+        pool = done.lease.pool
+        self._parked.setdefault(pool, collections.deque()).append((done, time.monotonic() + PARK))
+        if pool not in self._unparking:
+            self._unparking.add(pool)
+            asyncio.get_running_loop().call_later(PARK, self._unpark, pool)
+
+    def _take_parked(self, pool: str, cost: int) -> Lease | None:
+        """A key lease given back here that this job may take over as it is (the newest
+        first); those too old to pass go back to Redis."""
+        parked = self._parked.get(pool)
+        now = time.time()
+        while parked:
+            done, _ = parked.pop()
+            if core.takes_over(done.lease, pool, cost, now, self.plan.lease_ttl):
+                self.gate.reused(done.lease)
+                return done.lease
+            self._give_back(done)
+            if cost:
+                break  # no lease passes to a job that reserves tokens: let the rest wait out
+        return None
+
+    def _unpark(self, pool: str) -> None:
+        """Give back to Redis the parked leases of ``pool`` no job took over in time."""
+        self._unparking.discard(pool)
+        parked = self._parked.get(pool)
+        now = time.monotonic()
+        while parked and parked[0][1] <= now:
+            self._give_back(parked.popleft()[0])
+        if parked:
+            self._unparking.add(pool)
+            asyncio.get_running_loop().call_later(parked[0][1] - now, self._unpark, pool)
+
+    def _unpark_key(self, lease: Lease) -> None:
+        """The key of ``lease`` answered 429 or was refused: what is parked of it goes back
+        (to Redis, which knows the key cools or is disabled) instead of passing on."""
+        parked = self._parked.get(lease.pool)
+        if parked:
+            for entry in [e for e in parked if e[0].lease.key_id == lease.key_id]:
+                parked.remove(entry)
+                self._give_back(entry[0])
+
+    def _give_back(self, done: fx.ReleaseKey) -> None:
+        task = asyncio.get_running_loop().create_task(self._release(done, park=False))
+        self._giving_back.add(task)
+        task.add_done_callback(self._giving_back.discard)
+
+    async def give_back_parked(self) -> None:
+        """Every parked key lease back to Redis now, and wait until they are (shutdown)."""
+        for parked in self._parked.values():
+            while parked:
+                self._give_back(parked.popleft()[0])
+        while self._giving_back:
+            await asyncio.gather(*list(self._giving_back), return_exceptions=True)
 
     def _first_waiting(self, pool: str) -> Waiter | None:
         queue = self._waiting.get(pool)

@@ -183,14 +183,8 @@ class AsyncRuntime:
         pair = job.pair if isinstance(job, Item) else job[0]
         try:
             if isinstance(job, Item):
-                held = await shell.writer.hold(pair)
-                if held is None:
-                    shell.writer.bump(core.DUPLICATES)
-                    log.info("job %s: suppressed a duplicate or stale delivery", pair[0])
-                    return ("suppressed",)
-            else:
-                held = job[1]
-            return await shell.run(shell.track(pair, held), held)
+                return await shell.run_delivered(pair, job.name)
+            return await shell.run(shell.track(pair, job[1]), job[1])
         except Exception:
             log.exception(
                 "job %s: its attempt failed inside harvest; its lease will expire and rescue "
@@ -233,6 +227,7 @@ class AsyncRuntime:
         for task in list(self._jobs):  # the heartbeat, and anything abandoned
             task.cancel()
         await asyncio.gather(*self._jobs, return_exceptions=True)
+        await shell.give_back_parked()
         await shell.writer.drain()
         await shell.clients.close()
         await shell.pool.close()

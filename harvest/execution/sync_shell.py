@@ -29,7 +29,7 @@ from harvest.execution import core, limits, sql
 from harvest.execution import effects as fx
 from harvest.execution.heartbeat import HeartbeatThread
 from harvest.execution.observe import Received, notify
-from harvest.execution.tracking import KEY_MARGIN, Tracked
+from harvest.execution.tracking import Tracked
 from harvest.gate import Gate
 from harvest.usage import Tally
 
@@ -102,34 +102,6 @@ class Ahead:
 
     def _stops(self, e: fx.Effect) -> bool:
         return not isinstance(e, AHEAD) or (isinstance(e, fx.LeaseKey) and self.release is not None)
-
-
-def passes_on(done: fx.ReleaseKey, e: fx.LeaseKey, now: float, ttl: float) -> bool:
-    """Whether the next job of a message may take over the job before's key lease as it is,
-    without giving it back and leasing again: the key is bound by its concurrency alone (at
-    its grant it had no rate limit, token budget, learned limit or announcement: ``plain``),
-    the job before succeeded (a 429 ends its attempt otherwise, and its key cools), and
-    neither call counts tokens. The key's load stays what it was, one call of this process,
-    as the release and lease in one round trip left it. What the process does not see is a
-    cooldown another process puts on the key meanwhile: it holds for the rest of the message,
-    whose jobs share it only when they are short (about 50 ms together, see
-    ``HARVEST_MAX_JOBS_PER_MESSAGE``).
-
-    Only while the lease is young (``now``, the epoch, within half of the key margin of the
-    TTL since its grant on the Redis clock): the next job trusts it as freshly leased
-    (:data:`~harvest.execution.tracking.KEY_MARGIN`), which its expiry in Redis, at least
-    the grant plus the TTL, then still covers; a process paused past that asks Redis again."""
-    lease = done.lease
-    return (
-        lease.plain
-        and now - lease.granted_at <= ttl * KEY_MARGIN / 2
-        and done.succeeded
-        and lease.pool == e.pool
-        and lease.cost == 0
-        and e.cost == 0
-        and not done.used
-        and done.announced is None
-    )
 
 
 def caught(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
@@ -296,9 +268,9 @@ class SyncShell:
     def release_then_lease(self, done: fx.ReleaseKey, e: fx.LeaseKey) -> Any:
         """The job before's key given back and the next job's lease, in one round trip; or,
         where the key's limits allow, no round trip at all: the lease passes to the next job
-        (:func:`passes_on`)."""
-        if passes_on(done, e, time.time(), self.plan.lease_ttl):
-            self.gate.last_used.record(done.lease.key_id)
+        (:func:`harvest.execution.core.passes_on`)."""
+        if core.passes_on(done, e.pool, e.cost, time.time(), self.plan.lease_ttl):
+            self.gate.reused(done.lease)
             return done.lease
         result = self.gate.release_then_lease(
             done.lease, e.pool, e.holder, e.cost, used=done.used, succeeded=done.succeeded,

@@ -55,6 +55,11 @@ class Tracked:
         it is allowed."""
         return cls(pair[0], pair[1], held.name, held.attempts + 1, max_attempts=held.max_attempts)
 
+    @classmethod
+    def begun(cls, pair: Pair, job: Started) -> Tracked:
+        """A job this worker held and started in one write (``core.starts_at_hold``)."""
+        return cls(pair[0], pair[1], job.name, job.attempt, job, job.max_attempts)
+
     def used(self, tokens: int) -> None:
         """The handler reports tokens its calls used (added up over the attempt)."""
         self.tokens_used = (self.tokens_used or 0) + tokens

@@ -8,6 +8,7 @@ import gc
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 from sqlalchemy import Engine, text
@@ -15,6 +16,7 @@ from sqlalchemy import Engine, text
 from harvest import store
 from harvest.app import Harvest
 from harvest.context import JobContext
+from harvest.execution import sql
 from harvest.models import JobStatus
 from harvest.runner import Runner
 from tests.helpers import body, claim_all, effect_count
@@ -63,6 +65,41 @@ def test_the_same_async_message_twice_runs_each_job_once(
     assert runner.execute(message)["started"] == 3
     assert runner.execute(message) == {"started": 0, "suppressed": 3, "lost": 0, "deferred": 0}
     assert all(effect_count(effects, i) == 1 for i in ids)
+
+
+def test_an_async_job_that_needs_no_key_is_held_and_started_in_one_write(
+    app: Harvest, runner: Runner, effects: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A job with no key pool and no rate limit has nothing to wait for between its hold and
+    its start: its delivery is taken by the start itself (one row write, not two). Its
+    attempt is counted once; the same message again is suppressed as a duplicate; a job whose
+    cancellation was asked before it started ends cancelled without running."""
+    written: list[str] = []
+    kinds = {sql._HOLD: "hold", sql._START: "start", sql._FINISH: "finish"}
+    real = sql.arun
+
+    async def counted(conn: Any, query: sql.Query[Any]) -> Any:
+        written.append(kinds.get(query.sql, "other"))
+        return await real(conn, query)
+
+    monkeypatch.setattr(sql, "arun", counted)
+    ids = app.enqueue_many("async_effect", [{}] * 3)
+    app.cancel(ids[2])  # before it is claimed: never runs
+    claimed = claim_all(effects)
+    with effects.begin() as conn:  # a cancel asked after the claim, before the start
+        conn.execute(text("UPDATE harvest_jobs SET cancel_requested = true WHERE id = :i"),
+                     {"i": ids[1]})  # fmt: skip
+    assert len(claimed) == 2
+    message = [[c.id, str(c.token), c.name] for c in claimed]  # as the dispatcher sends it
+    assert runner.execute(message)["started"] == 1
+    assert "hold" not in written, written
+    assert written.count("start") >= 1 and written.count("finish") >= 1
+    assert runner.execute(message)["suppressed"] == 2  # both ended: neither runs again
+    assert effect_count(effects, ids[0]) == 1 and effect_count(effects, ids[1]) == 0
+    assert [job_row(effects, i).status for i in ids] == [
+        JobStatus.SUCCEEDED, JobStatus.CANCELLED, JobStatus.CANCELLED,
+    ]  # fmt: skip
+    assert job_row(effects, ids[0]).attempts == 1 and job_row(effects, ids[1]).attempts == 0
 
 
 def test_an_async_job_past_its_time_limit_is_stopped_and_retried(

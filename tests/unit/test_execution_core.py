@@ -486,3 +486,55 @@ def test_no_call_no_count() -> None:
     s = Script(LeaseKey=lambda e: lease(), Start=lambda e: None)  # a duplicate delivery
     s.run(core.attempt(tracked(), costly(700), PLAN))
     assert s.of(fx.ReleaseKey) and not s.of(fx.CountUsage)
+
+
+# --- a plain key lease passing from job to job without Redis (both shells) -------------------
+
+
+def plain(granted_at: float = 1000.0, **kw: Any) -> Lease:
+    return Lease("p", 3, "tok", 5, granted_at + 30.0, granted_at=granted_at, plain=True, **kw)
+
+
+def given_back(lease: Lease, **kw: Any) -> fx.ReleaseKey:
+    return fx.ReleaseKey(lease, **{"used": 0, "succeeded": True, **kw})
+
+
+@pytest.mark.parametrize(
+    ("age", "passes"),
+    [(0.0, True), (core.PASS_FOR * 0.99, True), (core.PASS_FOR + 0.001, False), (-0.001, False)],
+)
+def test_a_plain_lease_passes_on_only_while_young_by_the_redis_clock(
+    age: float, passes: bool
+) -> None:
+    """A clock behind Redis's (a negative age) passes nothing: skew makes passing rarer,
+    never longer than PASS_FOR after the grant."""
+    done = given_back(plain())
+    assert core.passes_on(done, "p", 0, 1000.0 + age, 30.0) is passes
+
+
+def test_a_short_ttl_shortens_how_long_a_lease_passes() -> None:
+    done = given_back(plain())
+    assert core.passes_on(done, "p", 0, 1000.05, 30.0)
+    assert not core.passes_on(done, "p", 0, 1000.05, 0.4)  # 0.4 x 0.2 / 2 = 0.04 s
+
+
+@pytest.mark.parametrize(
+    "done",
+    [
+        given_back(plain(), succeeded=False),  # a 429, a rejection, an error: the key may cool
+        given_back(plain(), used=120),  # a call that counted tokens
+        given_back(plain(cost=50)),  # tokens reserved
+        given_back(Lease("p", 3, "tok", 5, 1030.0, granted_at=1000.0)),  # a rate, a budget...
+    ],
+)
+def test_a_lease_that_is_not_plain_or_whose_call_went_wrong_goes_back_to_redis(
+    done: fx.ReleaseKey,
+) -> None:
+    assert not core.passable(done, 1000.01, 30.0)
+
+
+def test_a_lease_passes_only_to_a_job_of_its_pool_that_reserves_no_tokens() -> None:
+    done = given_back(plain())
+    assert core.passes_on(done, "p", 0, 1000.01, 30.0)
+    assert not core.passes_on(done, "other", 0, 1000.01, 30.0)
+    assert not core.passes_on(done, "p", 10, 1000.01, 30.0)
