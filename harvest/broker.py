@@ -91,6 +91,7 @@ def make_celery(settings: Settings, name: str = "harvest") -> Celery:
 
 
 MESSAGE_SECONDS = 0.05  # jobs share a message only while their run times add up to less
+ASYNC_FACTOR = 8  # an async job's messages carry up to this many times max_jobs_per_message
 
 
 def chunk(claimed: Sequence[Claimed], per_message: Mapping[str, int]) -> list[list[Claimed]]:
@@ -124,9 +125,12 @@ def jobs_per_message(
 
     ``concurrent``: the jobs run at once on the worker's event loop (``async def`` handlers),
     so none waits for a sibling: the claim is spread over the consumers whatever their run
-    time."""
+    time, up to :data:`ASYNC_FACTOR` times ``maximum`` a message (the worker hands a message's
+    jobs to its loop as it has room for them). Measured with no-op async jobs: messages of 64
+    instead of 16 took a quarter off each job's execution CPU (Celery's receive, reserve and
+    ack of each message, in the worker's main process and its child)."""
     if concurrent:
-        return max(1, min(maximum, -(-claimed // max(1, consumers))))
+        return max(1, min(maximum * ASYNC_FACTOR, -(-claimed // max(1, consumers))))
     if claimed <= consumers or run_seconds is None:
         return 1
     by_time = int(MESSAGE_SECONDS / max(run_seconds, 1e-4))

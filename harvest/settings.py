@@ -80,7 +80,11 @@ class Settings(BaseSettings):
         "processes can run at once plus one claim batch (at least 400).",
     )
     max_jobs_per_message: int = Field(
-        default=16, ge=1, le=500, description="Jobs one execution message may carry (deep queue)."
+        default=16,
+        ge=1,
+        le=500,
+        description="Jobs one execution message may carry (deep queue); an async job's "
+        "messages carry up to 8 times this (they run at once, as the loop has room).",
     )
     nudge_coalesce_ms: int = Field(
         default=1000,

@@ -24,8 +24,9 @@ from redis.asyncio import Redis as AsyncRedis
 from harvest.clients import AsyncClients
 from harvest.context import JobContext
 from harvest.coordination.key_state import Busy, Lease
-from harvest.execution import core, sql, tracking
+from harvest.execution import core, handoff, sql, tracking
 from harvest.execution import effects as fx
+from harvest.execution.handoff import Parking
 from harvest.execution.observe import Received, notify
 from harvest.execution.tracking import Tracked
 from harvest.execution.writer import Writer
@@ -40,7 +41,6 @@ log = logging.getLogger("harvest.runner")
 
 T = TypeVar("T")
 MIN_POLL = 0.005  # shortest pause between two lease tries for the jobs waiting in line
-PARK = 0.05  # seconds a key lease that may pass on waits here for the next job of its pool
 
 
 @dataclass(slots=True, eq=False)
@@ -107,11 +107,7 @@ class AsyncShell:
         self.tracked: dict[int, Tracked] = {}
         self._waiting: dict[str, collections.deque[Waiter]] = {}  # by pool, oldest first
         self._probes: dict[str, asyncio.Task[None]] = {}  # by pool, while jobs wait for it
-        # Key leases given back that may pass on as they are, by pool, oldest first, each with
-        # when (monotonic) it goes back to Redis if no job of its pool has taken it over.
-        self._parked: dict[str, collections.deque[tuple[fx.ReleaseKey, float]]] = {}
-        self._unparking: set[str] = set()  # pools with a timer to give back what waited out
-        self._giving_back: set[asyncio.Task[None]] = set()
+        self.parked = Parking(lambda done: self._release(done, park=False), plan.lease_ttl)
 
     # --- a message ------------------------------------------------------------------------
 
@@ -184,8 +180,9 @@ class AsyncShell:
             case fx.LeaseKey(pool, holder, cost):
                 if self._first_waiting(pool) is not None:  # behind the jobs here waiting for it
                     return Busy(core.KEY_POLL)
-                passed = self._take_parked(pool, cost)
+                passed = self.parked.take(pool, cost)
                 if passed is not None:
+                    self.gate.reused(passed)
                     return passed
                 return await self.gate.try_lease(pool, holder, cost)
             case fx.LoadPool(pool):
@@ -201,10 +198,10 @@ class AsyncShell:
             case fx.RunHandler():
                 return await self.run_handler(e)
             case fx.CoolKey(lease, seconds, exhausted):
-                self._unpark_key(lease)
+                self.parked.drop_key(lease)
                 return await self.gate.rate_limited(lease, seconds, exhausted)
             case fx.DisableKey(lease):
-                self._unpark_key(lease)
+                self.parked.drop_key(lease)
                 return await self.gate.rejected(lease)
             case fx.Finish(row):
                 return await self.writer.finish(row)
@@ -281,24 +278,25 @@ class AsyncShell:
             await self.gate.release(lease)
 
     async def _release(self, done: fx.ReleaseKey, *, park: bool = True) -> None:
-        """Give a key back. Where its limits allow (:func:`core.passable`), with no Redis round
+        """Give a key back. Where its limits allow (:func:`handoff.passable`), with no Redis round
         trip: to the first job of this process waiting for its pool, or parked for a job of the
-        pool that comes within :data:`PARK` seconds (:meth:`_take_parked`), then back to Redis.
+        pool that comes within ``handoff.PARK`` seconds (:class:`~handoff.Parking`), then back
+        to Redis.
         Otherwise, when a job of this process waits for its pool, lease for it in the same
         round trip (the slot is taken as it is freed: no idle key between two jobs, no
         wake-up and second round trip before the waiter's call); when that lease finds no key
         that admits the call, a job that waits for this pool alone keeps its place in line."""
         lease, ttl = done.lease, self.plan.lease_ttl
         now = time.time()
-        passable = park and core.passable(done, now, ttl)
+        passable = park and handoff.passable(done, now, ttl)
         waiter = self._next_waiter(lease.pool)
         if waiter is None:
             if passable:
-                self._park(done)
+                self.parked.park(done)
             else:
                 await self.gate.release(lease, done.used, done.succeeded, done.announced)
             return
-        if passable and core.takes_over(lease, lease.pool, waiter.cost, now, ttl):
+        if passable and handoff.takes_over(lease, lease.pool, waiter.cost, now, ttl):
             self.gate.reused(lease)
             waiter.handed.set_result(lease)
             return
@@ -315,61 +313,6 @@ class AsyncShell:
             self._probe_pool(lease.pool)
         else:
             waiter.handed.set_result(handed)
-
-    def _park(self, done: fx.ReleaseKey) -> None:
-        pool = done.lease.pool
-        self._parked.setdefault(pool, collections.deque()).append((done, time.monotonic() + PARK))
-        if pool not in self._unparking:
-            self._unparking.add(pool)
-            asyncio.get_running_loop().call_later(PARK, self._unpark, pool)
-
-    def _take_parked(self, pool: str, cost: int) -> Lease | None:
-        """A key lease given back here that this job may take over as it is (the newest
-        first); those too old to pass go back to Redis."""
-        parked = self._parked.get(pool)
-        now = time.time()
-        while parked:
-            done, _ = parked.pop()
-            if core.takes_over(done.lease, pool, cost, now, self.plan.lease_ttl):
-                self.gate.reused(done.lease)
-                return done.lease
-            self._give_back(done)
-            if cost:
-                break  # no lease passes to a job that reserves tokens: let the rest wait out
-        return None
-
-    def _unpark(self, pool: str) -> None:
-        """Give back to Redis the parked leases of ``pool`` no job took over in time."""
-        self._unparking.discard(pool)
-        parked = self._parked.get(pool)
-        now = time.monotonic()
-        while parked and parked[0][1] <= now:
-            self._give_back(parked.popleft()[0])
-        if parked:
-            self._unparking.add(pool)
-            asyncio.get_running_loop().call_later(parked[0][1] - now, self._unpark, pool)
-
-    def _unpark_key(self, lease: Lease) -> None:
-        """The key of ``lease`` answered 429 or was refused: what is parked of it goes back
-        (to Redis, which knows the key cools or is disabled) instead of passing on."""
-        parked = self._parked.get(lease.pool)
-        if parked:
-            for entry in [e for e in parked if e[0].lease.key_id == lease.key_id]:
-                parked.remove(entry)
-                self._give_back(entry[0])
-
-    def _give_back(self, done: fx.ReleaseKey) -> None:
-        task = asyncio.get_running_loop().create_task(self._release(done, park=False))
-        self._giving_back.add(task)
-        task.add_done_callback(self._giving_back.discard)
-
-    async def give_back_parked(self) -> None:
-        """Every parked key lease back to Redis now, and wait until they are (shutdown)."""
-        for parked in self._parked.values():
-            while parked:
-                self._give_back(parked.popleft()[0])
-        while self._giving_back:
-            await asyncio.gather(*list(self._giving_back), return_exceptions=True)
 
     def _first_waiting(self, pool: str) -> Waiter | None:
         queue = self._waiting.get(pool)

@@ -35,7 +35,7 @@ from harvest.execution import effects as fx
 from harvest.execution import outcome, sql, tracking
 from harvest.execution.observe import AttemptEnded, AttemptStarted, Deferred
 from harvest.execution.outcome import Outcome
-from harvest.execution.tracking import KEY_MARGIN, Tracked
+from harvest.execution.tracking import Tracked
 from harvest.jobs import Started
 from harvest.models import JobStatus
 from harvest.usage import Call
@@ -50,7 +50,6 @@ MALFORMED = "malformed_messages_dropped"
 
 KEY_POLL = 0.25  # longest sleep between lease tries while waiting for a key
 MIN_WAIT = 0.05  # shortest delay of a deferral
-PASS_FOR = 0.1  # seconds after its grant a plain key lease may pass from job to job (passable)
 
 Attempt = Generator[fx.Effect, Any, tuple[str, ...]]
 """Yields effects; returns what became of the job, as counts to add: "started" (and "lost" too
@@ -412,52 +411,6 @@ def key_release(lease: Lease, tracked: Tracked, decided: Outcome) -> fx.ReleaseK
     limits back when the call succeeded, and pass on what the service announced."""
     succeeded = decided.status == JobStatus.SUCCEEDED
     return fx.ReleaseKey(lease, tracked.settled_tokens(), succeeded, tracked.announced)
-
-
-def passable(done: fx.ReleaseKey, now: float, ttl: float) -> bool:
-    """Whether a key lease given back may pass as it is to another job of this process,
-    without going back to Redis and being leased again: the key is bound by its concurrency
-    alone (at its grant it had no rate limit, token budget, learned limit or announcement:
-    ``plain``), the job before succeeded (a 429 ends its attempt otherwise, and its key
-    cools), its call counted no tokens, and the lease is young (:func:`young`). The key's load
-    stays what it was, one call of this process. What the process does not see is a cooldown
-    or a disable another process or an operator puts on the key meanwhile: it may still be used
-    until the lease is no longer young, :data:`PASS_FOR` after its grant at most, as a job
-    that leased it just before would."""
-    lease = done.lease
-    return (
-        lease.plain
-        and young(lease, now, ttl)
-        and done.succeeded
-        and lease.cost == 0
-        and not done.used
-        and done.announced is None
-    )
-
-
-def young(lease: Lease, now: float, ttl: float) -> bool:
-    """Whether a job may take ``lease`` over as freshly leased (``now``: the epoch): within
-    :data:`PASS_FOR` of its grant on the Redis clock (and half of the key margin of the TTL,
-    should that be less). The job trusts it for the TTL less the margin from now
-    (:data:`~harvest.execution.tracking.KEY_MARGIN`), which its expiry in Redis, at least the
-    grant plus the TTL, then still covers; a process paused past that asks Redis again. A
-    clock behind Redis's (a negative age) passes nothing: a skewed clock can make passing
-    rarer, never longer."""
-    age = now - lease.granted_at
-    return 0.0 <= age <= min(PASS_FOR, ttl * KEY_MARGIN / 2)
-
-
-def takes_over(lease: Lease, pool: str, cost: int, now: float, ttl: float) -> bool:
-    """Whether a job asking for a key of ``pool`` with ``cost`` tokens may take over
-    ``lease``, a :func:`passable` one given back by a job before it."""
-    return lease.pool == pool and cost == 0 and young(lease, now, ttl)
-
-
-def passes_on(done: fx.ReleaseKey, pool: str, cost: int, now: float, ttl: float) -> bool:
-    """Whether the key ``done`` gives back passes to the job asking for a key of ``pool``
-    with ``cost`` tokens (the next job of a sync message; an async job that waits, or comes
-    soon after), with no Redis round trip."""
-    return passable(done, now, ttl) and takes_over(done.lease, pool, cost, now, ttl)
 
 
 def usage_of(lease: Lease, tracked: Tracked, decided: Outcome, tenant: str | None = None) -> Call:

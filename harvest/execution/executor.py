@@ -95,8 +95,10 @@ class Executor:
             log.error("dropped a malformed execution message: %s", exc)
             self.sync.db(sql.bump({core.MALFORMED: 1}))
             return dict(counts)
-        first = [i for i in items if i.name is not None and self._is_async(i.name)]
-        rest = [i for i in items if i not in first]
+        first: list[Item] = []  # async jobs, named in the message
+        rest: list[Item] = []
+        for item in items:
+            (first if item.name is not None and self._is_async(item.name) else rest).append(item)
         if first:
             counts.update(self._run_async(first, wait=wait))
         if rest:
@@ -106,12 +108,26 @@ class Executor:
         return dict(counts)
 
     def _run_async(self, items: Sequence[Item], *, wait: bool) -> Counter[str]:
-        """Async jobs: wait for room on the loop and hand them over; the loop holds them (one
-        statement for every message of the moment). Celery's slot is free again at once."""
+        """Async jobs: hand them to the loop as it has room for them, never more than its
+        ``HARVEST_ASYNC_CONCURRENCY`` at once; the loop holds them (one statement for every
+        message of the moment). Celery's slot is free again once the last is handed over.
+        Jobs not handed over in time stay in the message's dispatch lease (rescue)."""
         aio = self.aio()
-        if not aio.admission.take(len(items), self._hold_timeout()):
-            raise TimeoutError(f"the event loop had no room for {len(items)} jobs in time")
-        return aio.submit(items, wait=wait)
+        deadline = time.monotonic() + self._hold_timeout()
+        parts = []
+        rest = list(items)
+        while rest:
+            taken = aio.admission.take_some(len(rest), max(0.0, deadline - time.monotonic()))
+            if not taken:
+                raise TimeoutError(f"the event loop had no room for {len(rest)} jobs in time")
+            parts.append(aio.start(rest[:taken], wait=wait))
+            rest = rest[taken:]
+        if not wait:  # the loop holds them: this thread does not wait for it
+            return Counter(accepted=len(items))
+        counts: Counter[str] = Counter()
+        for part in parts:
+            counts.update(part.result())
+        return counts
 
     def _run_rest(self, items: Sequence[Item], *, wait: bool) -> Counter[str]:
         held = self.sync.hold([i.pair for i in items])

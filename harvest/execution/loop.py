@@ -10,6 +10,7 @@ finished; the room is given back as it ends.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import gc
 import logging
 import threading
@@ -64,6 +65,24 @@ class Room:
                 return False
             self.in_use += n
             return True
+
+    def take_some(self, n: int, timeout: float) -> int:
+        """Room for as many of ``n`` as fit now, once one does (at least 1, at most ``n``);
+        0 when ``timeout`` passed first or the room was closed. A message's jobs are handed
+        to the loop as room frees (:meth:`Executor._run_async`), so a large message neither
+        waits for a nearly empty loop nor overfills it."""
+        with self._cond:
+            self._wanted.append(1)
+            try:
+                ok = self._cond.wait_for(lambda: self.closed or self.in_use < self.capacity,
+                                         timeout)  # fmt: skip
+            finally:
+                self._wanted.remove(1)
+            if not ok or self.closed:
+                return 0
+            taken = min(n, self.capacity - self.in_use)
+            self.in_use += taken
+            return taken
 
     def give(self, n: int = 1) -> None:
         with self._cond:
@@ -156,10 +175,17 @@ class AsyncRuntime:
         """Run jobs on the loop (their room was taken with ``admission.take``): items are held
         there first, (pair, held) were held by the caller. Returns at once unless ``wait``; the
         calling thread never waits for the loop's other work."""
-        future = asyncio.run_coroutine_threadsafe(self._run_all(jobs, wait=wait), self.loop)
+        future = self.start(jobs, wait=wait)
         if wait:
             return future.result()
         return Counter(accepted=len(jobs))
+
+    def start(
+        self, jobs: Sequence[Item | tuple[sql.Pair, sql.Held]], *, wait: bool
+    ) -> concurrent.futures.Future[Counter[str]]:
+        """:meth:`submit` without waiting: the future's counts are the jobs' own (``wait``:
+        once they have all ended) or how many were accepted."""
+        return asyncio.run_coroutine_threadsafe(self._run_all(jobs, wait=wait), self.loop)
 
     # --- on the loop ----------------------------------------------------------------------
 
@@ -227,7 +253,7 @@ class AsyncRuntime:
         for task in list(self._jobs):  # the heartbeat, and anything abandoned
             task.cancel()
         await asyncio.gather(*self._jobs, return_exceptions=True)
-        await shell.give_back_parked()
+        await shell.parked.drain()
         await shell.writer.drain()
         await shell.clients.close()
         await shell.pool.close()

@@ -25,7 +25,7 @@ from harvest.clients import ClientPool
 from harvest.context import JobContext
 from harvest.coordination.key_pool import Lease
 from harvest.errors import JobTimeout
-from harvest.execution import core, limits, sql
+from harvest.execution import core, handoff, limits, sql
 from harvest.execution import effects as fx
 from harvest.execution.heartbeat import HeartbeatThread
 from harvest.execution.observe import Received, notify
@@ -268,8 +268,8 @@ class SyncShell:
     def release_then_lease(self, done: fx.ReleaseKey, e: fx.LeaseKey) -> Any:
         """The job before's key given back and the next job's lease, in one round trip; or,
         where the key's limits allow, no round trip at all: the lease passes to the next job
-        (:func:`harvest.execution.core.passes_on`)."""
-        if core.passes_on(done, e.pool, e.cost, time.time(), self.plan.lease_ttl):
+        (:func:`harvest.execution.handoff.passes_on`)."""
+        if handoff.passes_on(done, e.pool, e.cost, time.time(), self.plan.lease_ttl):
             self.gate.reused(done.lease)
             return done.lease
         result = self.gate.release_then_lease(

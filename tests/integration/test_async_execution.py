@@ -48,6 +48,41 @@ def test_async_jobs_of_one_message_run_at_once_each_once(
     assert {job_row(effects, i).status for i in ids} == {JobStatus.SUCCEEDED}
 
 
+def test_a_message_larger_than_the_loops_room_is_handed_over_as_room_frees(
+    jobs_app: Callable[..., Harvest], effects: Engine
+) -> None:
+    """HARVEST_ASYNC_CONCURRENCY=4 and a message of 10 async jobs (the dispatcher sends an
+    async job's messages larger than a sync job's): never more than 4 run at once, the rest
+    start as places free, and every job runs once."""
+    app = jobs_app({"async_concurrency": 4})
+    runner = Runner(app)
+    try:
+        ids = app.enqueue_many("async_effect", [{"seconds": 0.3}] * 10)
+        message = [[c.id, str(c.token), c.name] for c in claim_all(effects)]
+        peak = [0]
+        done = threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                peak[0] = max(peak[0], runner.aio().admission.in_use)
+                time.sleep(0.005)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        started = time.monotonic()
+        try:
+            counts = runner.execute(message)
+        finally:
+            done.set()
+            watcher.join()
+        assert counts["started"] == 10
+        assert peak[0] == 4
+        assert time.monotonic() - started >= 0.85  # three rounds of 0.3 s, not one
+        assert all(effect_count(effects, i) == 1 for i in ids)
+    finally:
+        runner.close()
+
+
 def test_the_event_loop_starts_with_what_the_process_holds_frozen_out_of_the_collector(
     app: Harvest, runner: Runner, effects: Engine
 ) -> None:

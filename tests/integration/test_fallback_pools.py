@@ -23,7 +23,7 @@ from harvest import dispatcher, keystore, store
 from harvest.app import Harvest
 from harvest.coordination import keys as keys_module
 from harvest.coordination.key_pool import AsyncKeyPool, Busy, KeyPool, Lease
-from harvest.execution import async_shell, core, sql
+from harvest.execution import handoff, sql
 from harvest.gate import AsyncGate
 from harvest.models import JobStatus
 from harvest.runner import Runner
@@ -103,7 +103,7 @@ def test_the_second_pool_serves_while_the_first_is_out_and_the_first_when_it_is_
     back = outage(app)
     # A key lease given back a moment ago may still pass to a job of this process for
     # PASS_FOR after its grant (as a job that had leased it just before would still call).
-    time.sleep(core.PASS_FOR)
+    time.sleep(handoff.PASS_FOR)
     jobs = run(app, runner, name, 6)
     assert {job.status for job in jobs} == {JobStatus.SUCCEEDED}
     assert {job.result["pool"] for job in jobs} == {SECOND}  # ctx.pool
@@ -207,8 +207,8 @@ def _spy_async_pool(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 def _no_lease_left(app: Harvest, pools: tuple[str, ...] = (FIRST, SECOND)) -> None:
     """Every key lease is back in Redis within a second (a lease that may pass on waits
-    ``async_shell.PARK`` for the next job of its pool first)."""
-    deadline = time.monotonic() + 1.0 + async_shell.PARK
+    ``handoff.PARK`` for the next job of its pool first)."""
+    deadline = time.monotonic() + 1.0 + handoff.PARK
     while True:
         left = [k.live_leases for pool in pools for k in KeyPool(app.redis, pool).snapshot()]
         if not any(left) or time.monotonic() > deadline:
@@ -227,7 +227,7 @@ def test_an_async_job_waiting_for_a_key_gets_it_as_it_is_freed(
     A key bound by its concurrency alone passes as it is, with no Redis round trip; one with
     a rate limit goes back in the round trip that leases for the waiter (release, then
     lease). Every job runs once, on an attempt of its own, and no lease is left."""
-    monkeypatch.setattr(core, "PASS_FOR", 2.0)  # longer than a loaded machine takes
+    monkeypatch.setattr(handoff, "PASS_FOR", 2.0)  # longer than a loaded machine takes
     _limit_rate(app, rate)
     calls = _spy_async_pool(monkeypatch)
     jobs = run(app, runner, "async_first_only", 8)
@@ -251,8 +251,8 @@ def test_an_async_jobs_key_passes_to_a_job_of_its_pool_that_comes_soon_after(
     (``PARK``) and passes to a job of the second as it is: the second message's jobs lease
     nothing from Redis, the pool grants 4 leases (4 fences) for the 8 jobs, and the keys go
     back once no job has taken them. A key with a rate limit counts every call: a lease a job."""
-    monkeypatch.setattr(async_shell, "PARK", 1.0)  # longer than a loaded machine takes
-    monkeypatch.setattr(core, "PASS_FOR", 2.0)
+    monkeypatch.setattr(handoff, "PARK", 1.0)  # longer than a loaded machine takes
+    monkeypatch.setattr(handoff, "PASS_FOR", 2.0)
     _limit_rate(app, rate)
     calls = _spy_async_pool(monkeypatch)
     first = run(app, runner, "async_first_only", 4)

@@ -57,6 +57,18 @@ def test_long_or_unknown_jobs_travel_one_a_message() -> None:
     assert jobs_per_message(1000, 16, 2, None) == 1  # nothing finished yet: no run time
 
 
+def test_async_jobs_are_spread_over_the_consumers_in_larger_messages_whatever_their_time() -> None:
+    """An async job's message runs its jobs at once: neither its run time nor the sync bound
+    holds it to small messages, only the spread over the consumers and 8 x the bound."""
+    from harvest.broker import jobs_per_message
+
+    assert jobs_per_message(200, 16, 2, None, concurrent=True) == 100
+    assert jobs_per_message(200, 16, 2, 30.0, concurrent=True) == 100  # long: still together
+    assert jobs_per_message(1000, 16, 2, None, concurrent=True) == 128
+    assert jobs_per_message(1000, 4, 2, None, concurrent=True) == 32
+    assert jobs_per_message(3, 16, 2, None, concurrent=True) == 2  # one consumer each, or so
+
+
 def test_chunk_groups_by_queue_and_name() -> None:
     import uuid
 

@@ -46,3 +46,20 @@ def test_a_message_larger_than_the_room_waits_for_an_empty_loop_and_close_ends_t
     room.close()
     waiter.join(2.0)
     assert got == [False]
+
+
+def test_a_message_is_handed_over_as_room_frees_never_beyond_the_room() -> None:
+    room = Room(4)
+    assert room.take_some(3, timeout=0.1) == 3
+    assert room.take_some(5, timeout=0.1) == 1  # what fits now, not the message
+    assert room.in_use == 4
+    assert room.take_some(5, timeout=0.05) == 0  # full: nothing until a place frees
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(room.take_some(5, timeout=5.0)))
+    waiter.start()
+    time.sleep(0.05)
+    room.give(2)
+    waiter.join(2.0)
+    assert got == [2] and room.in_use == 4
+    room.close()
+    assert room.take_some(1, timeout=1.0) == 0

@@ -1,0 +1,139 @@
+"""A key lease passed from one job of a process to the next, with no Redis round trip.
+
+A key bound by its concurrency alone (no rate limit, token budget, learned limit or
+announcement at its grant: ``Lease.plain``) can go from a job that ends to the next job of the
+same pool as it is: the key's load stays one call of this process, so no key is ever over its
+concurrency, and the release and the next lease (two scripts, a round trip) are saved. The
+decision is pure (:func:`passable`, :func:`takes_over`), shared by both shells: the blocking
+shell passes a lease to the next job of its message (``SyncShell.release_then_lease``), the
+asyncio shell to a job of this process waiting for the pool or, through :class:`Parking`, to
+one that asks within :data:`PARK` seconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from harvest.coordination.key_state import Lease
+from harvest.execution import effects as fx
+from harvest.execution.tracking import KEY_MARGIN
+
+PASS_FOR = 0.1  # seconds after its grant a plain key lease may pass from job to job
+PARK = 0.05  # seconds a lease that may pass waits in the asyncio shell for a job of its pool
+
+
+def passable(done: fx.ReleaseKey, now: float, ttl: float) -> bool:
+    """Whether a key lease given back may pass as it is to another job of this process,
+    without going back to Redis and being leased again: the key is bound by its concurrency
+    alone (at its grant it had no rate limit, token budget, learned limit or announcement:
+    ``plain``), the job before succeeded (a 429 ends its attempt otherwise, and its key
+    cools), its call counted no tokens, and the lease is young (:func:`young`). The key's load
+    stays what it was, one call of this process. What the process does not see is a cooldown
+    or a disable another process or an operator puts on the key meanwhile: it may still be used
+    until the lease is no longer young, :data:`PASS_FOR` after its grant at most, as a job
+    that leased it just before would."""
+    lease = done.lease
+    return (
+        lease.plain
+        and young(lease, now, ttl)
+        and done.succeeded
+        and lease.cost == 0
+        and not done.used
+        and done.announced is None
+    )
+
+
+def young(lease: Lease, now: float, ttl: float) -> bool:
+    """Whether a job may take ``lease`` over as freshly leased (``now``: the epoch): within
+    :data:`PASS_FOR` of its grant on the Redis clock (and half of the key margin of the TTL,
+    should that be less). The job trusts it for the TTL less the margin from now
+    (:data:`~harvest.execution.tracking.KEY_MARGIN`), which its expiry in Redis, at least the
+    grant plus the TTL, then still covers; a process paused past that asks Redis again. A
+    clock behind Redis's (a negative age) passes nothing: a skewed clock can make passing
+    rarer, never longer."""
+    age = now - lease.granted_at
+    return 0.0 <= age <= min(PASS_FOR, ttl * KEY_MARGIN / 2)
+
+
+def takes_over(lease: Lease, pool: str, cost: int, now: float, ttl: float) -> bool:
+    """Whether a job asking for a key of ``pool`` with ``cost`` tokens may take over
+    ``lease``, a :func:`passable` one given back by a job before it."""
+    return lease.pool == pool and cost == 0 and young(lease, now, ttl)
+
+
+def passes_on(done: fx.ReleaseKey, pool: str, cost: int, now: float, ttl: float) -> bool:
+    """Whether the key ``done`` gives back passes to the job asking for a key of ``pool``
+    with ``cost`` tokens (the next job of a sync message; an async job that waits, or comes
+    soon after), with no Redis round trip."""
+    return passable(done, now, ttl) and takes_over(done.lease, pool, cost, now, ttl)
+
+
+class Parking:
+    """The asyncio shell's key leases given back that may pass on (:func:`passable`), by
+    pool, oldest first, each with the time it goes back to Redis through ``give_back`` when no
+    job of its pool took it over within :data:`PARK` seconds."""
+
+    def __init__(
+        self, give_back: Callable[[fx.ReleaseKey], Coroutine[Any, Any, None]], ttl: float
+    ) -> None:
+        self._give_back, self.ttl = give_back, ttl
+        self._parked: dict[str, collections.deque[tuple[fx.ReleaseKey, float]]] = {}
+        self._timers: set[str] = set()  # pools with a timer to give back what waited out
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def park(self, done: fx.ReleaseKey) -> None:
+        pool = done.lease.pool
+        self._parked.setdefault(pool, collections.deque()).append((done, time.monotonic() + PARK))
+        if pool not in self._timers:
+            self._timers.add(pool)
+            asyncio.get_running_loop().call_later(PARK, self._expire, pool)
+
+    def take(self, pool: str, cost: int) -> Lease | None:
+        """A lease of ``pool`` a job asking for ``cost`` tokens may take over (the newest
+        first); those too old to pass go back to Redis."""
+        parked = self._parked.get(pool)
+        now = time.time()
+        while parked:
+            done, _ = parked.pop()
+            if takes_over(done.lease, pool, cost, now, self.ttl):
+                return done.lease
+            self._send_back(done)
+            if cost:
+                break  # no lease passes to a job that reserves tokens: let the rest wait out
+        return None
+
+    def drop_key(self, lease: Lease) -> None:
+        """The key of ``lease`` answered 429 or was refused: what is parked of it goes back
+        (to Redis, which knows the key cools or is disabled) instead of passing on."""
+        parked = self._parked.get(lease.pool)
+        for entry in [e for e in parked or () if e[0].lease.key_id == lease.key_id]:
+            assert parked is not None
+            parked.remove(entry)
+            self._send_back(entry[0])
+
+    async def drain(self) -> None:
+        """Every parked lease back to Redis now, and wait until they are (shutdown)."""
+        for parked in self._parked.values():
+            while parked:
+                self._send_back(parked.popleft()[0])
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    def _expire(self, pool: str) -> None:
+        self._timers.discard(pool)
+        parked = self._parked.get(pool)
+        now = time.monotonic()
+        while parked and parked[0][1] <= now:
+            self._send_back(parked.popleft()[0])
+        if parked:
+            self._timers.add(pool)
+            asyncio.get_running_loop().call_later(parked[0][1] - now, self._expire, pool)
+
+    def _send_back(self, done: fx.ReleaseKey) -> None:
+        task = asyncio.get_running_loop().create_task(self._give_back(done))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

@@ -1,0 +1,101 @@
+"""A plain key lease passing from job to job without Redis: the decision both shells share
+(pure), and the asyncio shell's parking of leases for the next job of their pool."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from harvest.coordination.key_pool import Lease
+from harvest.execution import effects as fx
+from harvest.execution import handoff
+
+
+def plain(granted_at: float = 1000.0, token: str = "tok", **kw: Any) -> Lease:
+    return Lease("p", 3, token, 5, granted_at + 30.0, granted_at=granted_at, plain=True, **kw)
+
+
+def given_back(lease: Lease, **kw: Any) -> fx.ReleaseKey:
+    return fx.ReleaseKey(lease, **{"used": 0, "succeeded": True, **kw})
+
+
+@pytest.mark.parametrize(
+    ("age", "passes"),
+    [
+        (0.0, True),
+        (handoff.PASS_FOR * 0.99, True),
+        (handoff.PASS_FOR + 0.001, False),
+        (-0.001, False),
+    ],
+)
+def test_a_plain_lease_passes_on_only_while_young_by_the_redis_clock(
+    age: float, passes: bool
+) -> None:
+    """A clock behind Redis's (a negative age) passes nothing: skew makes passing rarer,
+    never longer than PASS_FOR after the grant."""
+    done = given_back(plain())
+    assert handoff.passes_on(done, "p", 0, 1000.0 + age, 30.0) is passes
+
+
+def test_a_short_ttl_shortens_how_long_a_lease_passes() -> None:
+    done = given_back(plain())
+    assert handoff.passes_on(done, "p", 0, 1000.05, 30.0)
+    assert not handoff.passes_on(done, "p", 0, 1000.05, 0.4)  # 0.4 x 0.2 / 2 = 0.04 s
+
+
+@pytest.mark.parametrize(
+    "done",
+    [
+        given_back(plain(), succeeded=False),  # a 429, a rejection, an error: the key may cool
+        given_back(plain(), used=120),  # a call that counted tokens
+        given_back(plain(cost=50)),  # tokens reserved
+        given_back(Lease("p", 3, "tok", 5, 1030.0, granted_at=1000.0)),  # a rate, a budget...
+    ],
+)
+def test_a_lease_that_is_not_plain_or_whose_call_went_wrong_goes_back_to_redis(
+    done: fx.ReleaseKey,
+) -> None:
+    assert not handoff.passable(done, 1000.01, 30.0)
+
+
+def test_a_lease_passes_only_to_a_job_of_its_pool_that_reserves_no_tokens() -> None:
+    done = given_back(plain())
+    assert handoff.passes_on(done, "p", 0, 1000.01, 30.0)
+    assert not handoff.passes_on(done, "other", 0, 1000.01, 30.0)
+    assert not handoff.passes_on(done, "p", 10, 1000.01, 30.0)
+
+
+def test_a_parked_lease_goes_to_the_next_job_of_its_pool_or_back_to_redis_after_park() -> None:
+    """Parked, a lease passes to a job of its pool that asks within PARK (newest first); one
+    no job took goes back once PARK is over; a 429 on a key sends back what is parked of it;
+    draining sends back the rest."""
+    back: list[Lease] = []
+
+    async def give_back(done: fx.ReleaseKey) -> None:
+        back.append(done.lease)
+
+    async def scenario() -> None:
+        import time
+
+        now = time.time()
+        parking = handoff.Parking(give_back, 30.0)
+        a, b = plain(now), plain(now, token="b")
+        c = Lease("p", 4, "c", 6, now + 30, granted_at=now, plain=True)
+        parking.park(given_back(a))
+        parking.park(given_back(b))
+        assert parking.take("other", 0) is None
+        assert parking.take("p", 0) is b  # the newest
+        assert parking.take("p", 7) is None  # a job that reserves tokens takes none
+        await asyncio.sleep(handoff.PARK * 2)
+        assert back == [a]  # waited out: back to Redis
+        parking.park(given_back(b))
+        parking.park(given_back(c))
+        parking.drop_key(b)  # its key answered 429: not passed on
+        await asyncio.sleep(0)
+        assert back == [a, b]
+        await parking.drain()
+        assert back == [a, b, c] and parking.take("p", 0) is None
+
+    asyncio.run(scenario())
