@@ -24,7 +24,7 @@ from redis.asyncio import Redis as AsyncRedis
 from harvest.clients import AsyncClients
 from harvest.context import JobContext
 from harvest.coordination.key_state import Busy, Lease
-from harvest.execution import core, handoff, sql, tracking
+from harvest.execution import core, delivery, handoff, sql, tracking
 from harvest.execution import effects as fx
 from harvest.execution.handoff import Parking
 from harvest.execution.observe import Received, notify
@@ -123,12 +123,15 @@ class AsyncShell:
         if self.tracked.get(tracked.job_id) is tracked:
             del self.tracked[tracked.job_id]
 
-    async def run(self, tracked: Tracked, held: sql.Held | None) -> tuple[str, ...]:
-        """One held job, start to end (``held`` None: it was held and started in one write)."""
+    async def run(
+        self, tracked: Tracked, held: sql.Held | None, leased: Lease | None = None
+    ) -> tuple[str, ...]:
+        """One held job, start to end (``held`` None: it was held and started in one write,
+        with its key ``leased`` first when it has a pool)."""
         spec = self.app.jobs.get(tracked.name)
         try:
             if held is None:
-                attempt = core.attempt(tracked, spec, self.plan)
+                attempt = core.attempt(tracked, spec, self.plan, leased=leased)
             else:
                 attempt = core.attempt(
                     tracked, spec, self.plan, deferred_for=held.deferred_for, payload=held.payload
@@ -139,9 +142,19 @@ class AsyncShell:
 
     async def run_delivered(self, pair: sql.Pair, name: str | None) -> tuple[str, ...]:
         """A job of a message, from its hold to its end. One that needs nothing of the gate
-        is held and started in one write (:func:`core.starts_at_hold`); any other is held,
-        and starts once the gate lets it."""
-        if not core.starts_at_hold(self.app.jobs.get(name or "")):
+        is held and started in one write (:func:`delivery.starts_at_hold`), and so is one that
+        finds its key at once (:func:`delivery.key_first`); any other is held, and starts once the
+        gate lets it."""
+        spec = self.app.jobs.get(name or "")
+        if spec is not None and delivery.leases_first(spec):
+            first = await self.drive(delivery.key_first(pair, spec, self.plan))
+            if isinstance(first, delivery.Keyed):
+                tracked = self.track(pair, first.job)
+                tracked.key_renewed(first.asked_at, self.plan.lease_ttl)
+                return await self.run(tracked, None, first.lease)
+            if first is not None:
+                return first
+        if not delivery.starts_at_hold(spec):
             held = await self.writer.hold(pair)
             if held is None:
                 self.writer.bump(core.DUPLICATES)

@@ -99,9 +99,11 @@ def attempt(
     *,
     deferred_for: float | None = None,
     payload: dict[str, Any] | None = None,
+    leased: Lease | None = None,
 ) -> Attempt:
     """Everything that happens to one held job. ``deferred_for``: how long its current run of
-    deferrals has lasted (seconds), from the hold; ``payload``: the job's, for its token cost."""
+    deferrals has lasted (seconds), from the hold; ``payload``: the job's, for its token cost;
+    ``leased``: its key, leased before its hold (``delivery.key_first``): it passed the gate."""
     if tracked.lost:  # taken back (rescued) while it waited its turn
         yield from _dropped(tracked, waiting=True)
         return ("lost",)
@@ -111,7 +113,10 @@ def attempt(
         )
         return ("deferred",)
     cost, bad_cost = token_cost(spec, payload)
-    passed = (yield from gate(spec, tracked, plan, cost)) if spec and not bad_cost else None
+    if leased is not None:
+        passed: Lease | Wait | Refused | NotStarted | None = leased
+    else:
+        passed = (yield from gate(spec, tracked, plan, cost)) if spec and not bad_cost else None
     if isinstance(passed, NotStarted):
         return (yield from _not_started(passed))
     if isinstance(passed, Refused):
@@ -218,14 +223,6 @@ def _start(tracked: Tracked) -> Generator[fx.Effect, Any, NotStarted | None]:
         return NotStarted(answer)
     tracked.started, tracked.attempt = answer, answer.attempt
     return None
-
-
-def starts_at_hold(spec: JobSpec | None) -> bool:
-    """Whether a delivered job is held and started in one fenced write: it needs nothing of
-    the gate (no rate limit, no key pool), so nothing can make it wait between the two, and
-    a hold (the dispatch lease extended) then a start (attempt counted) would be two row
-    writes where one does. An unknown job is held (it is deferred, never started here)."""
-    return spec is not None and spec.rate_limit is None and not spec.pool
 
 
 def not_started(answer: JobStatus | None) -> Generator[fx.Effect, Any, tuple[str, ...]]:

@@ -57,7 +57,7 @@ class Tracked:
 
     @classmethod
     def begun(cls, pair: Pair, job: Started) -> Tracked:
-        """A job this worker held and started in one write (``core.starts_at_hold``)."""
+        """A job this worker held and started in one write (:mod:`~harvest.execution.delivery`)."""
         return cls(pair[0], pair[1], job.name, job.attempt, job, job.max_attempts)
 
     def used(self, tokens: int) -> None:

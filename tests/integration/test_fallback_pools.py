@@ -266,6 +266,42 @@ def test_an_async_jobs_key_passes_to_a_job_of_its_pool_that_comes_soon_after(
         assert calls.count("granted") == 8
 
 
+def test_an_async_job_that_finds_its_key_at_once_is_held_and_started_in_one_write(
+    app: Harvest, runner: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An async job of one pool tries its key before its hold: with a key, its start is its
+    hold (one row write); without (8 jobs for 4 slots), the rest are held and wait at the gate
+    as before. The same message again is suppressed, each job giving back the key it took;
+    every job ran once."""
+    written: list[str] = []
+    kinds = {sql._HOLD: "hold", sql._START: "start", sql._FINISH: "finish"}
+    real = sql.arun
+
+    async def counted(conn: Any, query: sql.Query[Any]) -> Any:
+        written.extend([kinds.get(query.sql, "other")] * len(query.params.get("ids", [1])))
+        return await real(conn, query)
+
+    monkeypatch.setattr(sql, "arun", counted)
+
+    def named_run(n: int) -> tuple[list[list[Any]], list[store.Job]]:
+        ids = app.enqueue_many("async_first_only", [{}] * n)
+        message = [[c.id, str(c.token), c.name] for c in claim_all(app.engine)]
+        assert runner.execute(message)["started"] == n
+        with app.engine.connect() as conn:
+            return message, [job for i in ids if (job := store.get(conn, i)) is not None]
+
+    message, jobs = named_run(4)
+    assert {(job.status, job.attempts) for job in jobs} == {(JobStatus.SUCCEEDED, 1)}
+    assert "hold" not in written and written.count("start") == 4, written
+    assert runner.execute(message)["suppressed"] == 4
+    _no_lease_left(app, (FIRST,))
+    written.clear()
+    _, jobs = named_run(8)
+    assert {(job.status, job.attempts) for job in jobs} == {(JobStatus.SUCCEEDED, 1)}
+    assert 1 <= written.count("hold") <= 4 and written.count("start") == 8, written
+    _no_lease_left(app, (FIRST,))
+
+
 def test_async_jobs_waiting_for_their_only_pool_get_keys_freed_elsewhere_with_one_try_a_poll(
     app: Harvest, runner: Runner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
