@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 RESCUED = "rescued"
 LINGER_POLL = 0.02
+ROOM_LINGER = 0.1  # seconds a full window's in-flight count may stand still and be waited for
 MAX_ROUNDS = 200  # bounds one dispatch call; beat or the next nudge continues
 MAX_SECONDS = 2.0
 
@@ -58,7 +59,7 @@ def dispatch(app: Harvest) -> DispatchReport:
     settings = app.settings
     claimed_total = messages = rounds = 0
     started = time.monotonic()
-    linger_until = 0.0
+    looking = _Looking(app)
     room = _WORKERS.capacity(app)
     with app.engine.connect() as conn:
         conn.execution_options(isolation_level="AUTOCOMMIT")
@@ -67,7 +68,8 @@ def dispatch(app: Harvest) -> DispatchReport:
             rounds += 1
             inflight = store.inflight(conn)
             limit = min(settings.claim_batch_size, room.window - inflight)
-            if inflight and limit < refill_at(settings):
+            full = inflight > 0 and limit < refill_at(settings)
+            if full:
                 limit = 0  # busy: let more slots free up, then fill them in bigger messages
             budgets = pool_budgets(app, conn) if limit > 0 else None
             claimed = store.claim_due(
@@ -79,18 +81,44 @@ def dispatch(app: Harvest) -> DispatchReport:
                 weights=settings.tenant_weights,
             )
             if not claimed:
-                # While the nudge marker lives, enqueuers and workers send no nudge
-                # (coalescing): keep looking every LINGER_POLL seconds until it expires, so
-                # their jobs wait milliseconds, not until the next beat tick.
-                linger_until = linger_until or _nudge_expires(app)
-                if time.monotonic() >= linger_until:
+                if not looking.on(full=full, inflight=inflight):
                     break
                 time.sleep(LINGER_POLL)
                 continue
-            linger_until = 0.0
+            looking = _Looking(app)
             messages += _publish(app, conn, claimed, consumers=room.consumers)
             claimed_total += len(claimed)
     return DispatchReport(claimed_total, messages, rounds)
+
+
+@dataclass
+class _Looking:
+    """Whether a dispatch call that claimed nothing keeps looking (every ``LINGER_POLL``
+    seconds, within the call's bounds) rather than leave the next claim to a nudge or beat.
+
+    While the nudge marker lives, enqueuers and workers send no nudge (coalescing): it keeps
+    looking until the marker expires, so their jobs wait milliseconds, not until the next
+    beat tick. And while the in-flight window is full of jobs that keep ending (the count fell
+    within the last ``ROOM_LINGER`` seconds), it keeps looking for the room they free: the
+    workers nudge at most once a second each, so short jobs that emptied the window just after
+    their nudges left it idle until beat (measured: 0.85 s of a 7 s drain of no-op jobs). Long
+    jobs, whose count does not move, are not waited for."""
+
+    app: Harvest
+    nudge_until: float = 0.0
+    room_until: float = 0.0
+    last_inflight: int = 0
+
+    def on(self, *, full: bool, inflight: int) -> bool:
+        now = time.monotonic()
+        if full:
+            if not self.room_until or inflight < self.last_inflight:
+                self.room_until = now + ROOM_LINGER
+            self.last_inflight = inflight
+            if now < self.room_until:
+                return True
+        self.nudge_until = self.nudge_until or _nudge_expires(self.app)
+        return now < self.nudge_until
 
 
 def _publish(app: Harvest, conn: Connection, claimed: list[Claimed], *, consumers: int) -> int:

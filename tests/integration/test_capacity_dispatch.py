@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import redis
 from cryptography.fernet import Fernet
 from pydantic import SecretStr
@@ -9,6 +12,7 @@ from sqlalchemy import Engine, text
 
 from harvest import dispatcher, keystore
 from harvest.app import Harvest
+from harvest.coordination import keys as rkeys
 from harvest.settings import Settings
 from tests.helpers import RecordingBroker
 
@@ -63,4 +67,41 @@ def test_a_disabled_key_shrinks_the_budget(
     keyed = app.enqueue_many("call_api", [{"url": "http://127.0.0.1:9/"} for _ in range(5)])
     dispatcher.dispatch(app)
     assert len(set(keyed) & set(app.broker.published)) == 2  # type: ignore[attr-defined]
+    app.close()
+
+
+def test_a_full_window_of_jobs_that_keep_ending_is_refilled_in_the_same_call(
+    migrated: Settings, clean_db: Engine, redis_client: redis.Redis
+) -> None:
+    """The in-flight window (10) is full and no nudge is pending: while its jobs keep ending
+    (a worker finishing 2 every 30 ms), the dispatch call keeps looking and sends the room
+    they free, rather than leaving it to the next beat tick. Once the count stands still (no
+    job ends), the call ends within a fraction of a second."""
+    settings = migrated.model_copy(update={"inflight_window": 10, "claim_batch_size": 10})
+    app = Harvest(settings, broker=RecordingBroker(settings), redis_client=redis_client)
+    app.load_imports(["tests.jobs"])
+    app.enqueue_many("echo", [{"value": i} for i in range(40)])
+    redis_client.delete(rkeys.nudge())  # no nudge pending: only the room can keep it looking
+
+    def finish_some() -> None:
+        for _ in range(8):
+            time.sleep(0.03)
+            with clean_db.begin() as conn:
+                conn.execute(text(
+                    "UPDATE harvest_jobs SET status = 'succeeded', lease_token = NULL,"
+                    " lease_expires_at = NULL, finished_at = now() WHERE id IN (SELECT id FROM"
+                    " harvest_jobs WHERE status = 'dispatched' ORDER BY id LIMIT 2)"))  # fmt: skip
+
+    worker = threading.Thread(target=finish_some)
+    worker.start()
+    started = time.monotonic()
+    report = dispatcher.dispatch(app)
+    took = time.monotonic() - started
+    worker.join()
+    assert report.claimed >= 20, report  # the first 10, then the room freed as jobs ended
+    assert took < dispatcher.MAX_SECONDS
+    redis_client.delete(rkeys.nudge())
+    started = time.monotonic()
+    assert dispatcher.dispatch(app).claimed == 0  # full, and nothing ends: no waiting for it
+    assert time.monotonic() - started < 0.5
     app.close()
