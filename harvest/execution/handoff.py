@@ -96,14 +96,14 @@ class Parking:
         """A lease of ``pool`` a job asking for ``cost`` tokens may take over (the newest
         first); those too old to pass go back to Redis."""
         parked = self._parked.get(pool)
+        if cost:
+            return None  # no lease passes to a job that reserves tokens
         now = time.time()
         while parked:
             done, _ = parked.pop()
             if takes_over(done.lease, pool, cost, now, self.ttl):
                 return done.lease
             self._send_back(done)
-            if cost:
-                break  # no lease passes to a job that reserves tokens: let the rest wait out
         return None
 
     def drop_key(self, lease: Lease) -> None:
