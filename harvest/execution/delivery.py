@@ -64,7 +64,11 @@ def key_first(
     lease = yield fx.LeaseKey(fallback.pools(spec.pool)[0], f"{plan.worker}:{pair[0]}", 0)
     if not isinstance(lease, Lease):
         return None
-    answer = yield fx.Start(*pair)
+    try:
+        answer = yield fx.Start(*pair)
+    except Exception:  # the write failed: the key goes back now, not when its lease expires
+        yield fx.ReleaseKey(lease, used=0)
+        raise
     if isinstance(answer, Started):
         return Keyed(answer, lease, asked_at)
     yield fx.ReleaseKey(lease, used=0)
