@@ -25,10 +25,12 @@ PLAN = core.Plan(
 TOKEN = uuid.uuid4()
 
 
-def spec(pool: str | None = None, rate: str | None = None, attempts: int = 3) -> JobSpec:
+def spec(
+    pool: str | None = None, rate: str | None = None, attempts: int = 3, cost: Any = None
+) -> JobSpec:
     return JobSpec(
         "j", lambda ctx: None, "execution", attempts, 10.0, (Exception,),
-        RetryPolicy(base=2.0, jitter=0.0), pool, rate,
+        RetryPolicy(base=2.0, jitter=0.0), pool, rate, cost=cost,
     )  # fmt: skip
 
 
@@ -37,7 +39,8 @@ def started(attempt: int = 1, max_attempts: int = 3) -> Started:
 
 
 class Script:
-    """Answers effects from a table of callables; records every effect it saw."""
+    """Answers effects from a table of callables; records every effect it saw. An answer that
+    raises is thrown into the generator, as a shell throws a failed effect's error."""
 
     def __init__(self, **answers: Callable[[Any], Any]) -> None:
         self.answers = answers
@@ -46,20 +49,24 @@ class Script:
 
     def run(self, gen: Generator[Any, Any, Any]) -> Any:
         value: Any = None
+        error: Exception | None = None
         while True:
             try:
-                effect = gen.send(value)
+                effect = gen.throw(error) if error is not None else gen.send(value)
             except StopIteration as stop:
                 return stop.value
             self.seen.append(effect)
             name = type(effect).__name__
+            value, error = None, None
             if name == "Clock":
                 value = self.clock
             elif name == "AwaitKey":
                 self.clock += effect.seconds
-                value = None
             else:
-                value = self.answers.get(name, lambda e: None)(effect)
+                try:
+                    value = self.answers.get(name, lambda e: None)(effect)
+                except Exception as exc:
+                    error = exc
 
     def of(self, kind: type) -> list[Any]:
         return [e for e in self.seen if isinstance(e, kind)]
