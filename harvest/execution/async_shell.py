@@ -32,6 +32,7 @@ from harvest.execution.tracking import Tracked
 from harvest.execution.writer import Writer
 from harvest.gate import AsyncGate, Gate
 from harvest.jobs import Started
+from harvest.models import JobStatus
 from harvest.usage import Tally
 
 if TYPE_CHECKING:
@@ -154,19 +155,19 @@ class AsyncShell:
                 return await self.run(tracked, None, first.lease)
             if first is not None:
                 return first
-        if not delivery.starts_at_hold(spec):
+        answer: Started | JobStatus | None
+        if delivery.starts_at_hold(spec):
+            answer = await self.writer.start(pair)
+            if isinstance(answer, Started):
+                return await self.run(self.track(pair, answer), None)
+        else:
             held = await self.writer.hold(pair)
-            if held is None:
-                self.writer.bump(core.DUPLICATES)
-                log.info("job %s: suppressed a duplicate or stale delivery", pair[0])
-                return ("suppressed",)
-            return await self.run(self.track(pair, held), held)
-        answer = await self.writer.start(pair)
-        if not isinstance(answer, Started):
-            if answer is None:
-                log.info("job %s: suppressed a duplicate or stale delivery", pair[0])
-            return await self.drive(core.not_started(answer))
-        return await self.run(self.track(pair, answer), None)
+            if held is not None:
+                return await self.run(self.track(pair, held), held)
+            answer = None
+        if answer is None:
+            log.info("job %s: suppressed a duplicate or stale delivery", pair[0])
+        return await self.drive(core.not_started(answer))
 
     # --- the driver -----------------------------------------------------------------------
 

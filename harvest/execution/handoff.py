@@ -95,9 +95,9 @@ class Parking:
     def take(self, pool: str, cost: int) -> Lease | None:
         """A lease of ``pool`` a job asking for ``cost`` tokens may take over (the newest
         first); those too old to pass go back to Redis."""
-        parked = self._parked.get(pool)
         if cost:
             return None  # no lease passes to a job that reserves tokens
+        parked = self._parked.get(pool)
         now = time.time()
         while parked:
             done, _ = parked.pop()

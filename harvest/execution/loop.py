@@ -15,7 +15,7 @@ import gc
 import logging
 import threading
 from collections import Counter
-from collections.abc import Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from psycopg_pool import AsyncConnectionPool
@@ -56,12 +56,7 @@ class Room:
     def take(self, n: int, timeout: float) -> bool:
         """Room for ``n`` more (a message larger than the capacity waits for an empty loop)."""
         with self._cond:
-            self._wanted.append(n)
-            try:
-                ok = self._cond.wait_for(lambda: self._fits(n), timeout)
-            finally:
-                self._wanted.remove(n)
-            if not ok or self.closed:
+            if not self._wait(n, lambda: self._fits(n), timeout):
                 return False
             self.in_use += n
             return True
@@ -72,17 +67,21 @@ class Room:
         to the loop as room frees (:meth:`Executor._run_async`), so a large message neither
         waits for a nearly empty loop nor overfills it."""
         with self._cond:
-            self._wanted.append(1)
-            try:
-                ok = self._cond.wait_for(lambda: self.closed or self.in_use < self.capacity,
-                                         timeout)  # fmt: skip
-            finally:
-                self._wanted.remove(1)
-            if not ok or self.closed:
+            if not self._wait(1, lambda: self.in_use < self.capacity, timeout):
                 return 0
             taken = min(n, self.capacity - self.in_use)
             self.in_use += taken
             return taken
+
+    def _wait(self, wanted: int, fits: Callable[[], bool], timeout: float) -> bool:
+        """Under the lock: wait until ``fits`` (registered as wanting ``wanted`` places, so that
+        :meth:`give` wakes this thread only when they fit); False on timeout or close."""
+        self._wanted.append(wanted)
+        try:
+            ok = self._cond.wait_for(lambda: self.closed or fits(), timeout)
+        finally:
+            self._wanted.remove(wanted)
+        return ok and not self.closed
 
     def give(self, n: int = 1) -> None:
         with self._cond:
