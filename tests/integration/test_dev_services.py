@@ -23,10 +23,11 @@ from harvest import dev
 from harvest.dev import postgres_server, redis_server
 from harvest.errors import ConfigurationError, ServiceUnavailable
 from harvest.settings import Settings
+from tests.conftest import ADMIN_URL
 
-ADMIN_URL = os.environ.get(
-    "HARVEST_TEST_ADMIN_URL", "postgresql://postgres@127.0.0.1:5432/postgres"
-)
+# The machine's own Postgres, where `harvest dev up` makes its database when one answers on
+# 5432 (whatever the test run itself uses: `tests.conftest.ADMIN_URL`).
+MACHINE_ADMIN_URL = "postgresql://postgres@127.0.0.1:5432/postgres"
 
 
 def _closed_port() -> int:
@@ -109,6 +110,15 @@ def test_env_urls_are_used_as_they_are_and_start_nothing(state_dir: Path) -> Non
     assert dev.down(state_dir) == []
 
 
+@pytest.fixture
+def machine_services() -> None:
+    """Skips a test of the machine's own services on a machine that has none (a fresh one,
+    where the suite runs on what `harvest dev up` started)."""
+    if not (_port_open(5432) and _port_open(6379)):
+        pytest.skip("no Postgres and Redis of the machine's own answer on 5432 / 6379")
+
+
+@pytest.mark.usefixtures("machine_services")
 def test_machine_services_on_the_default_ports_are_used(state_dir: Path) -> None:
     database = f"harvest_dev_{secrets.token_hex(4)}"
     try:
@@ -123,7 +133,7 @@ def test_machine_services_on_the_default_ports_are_used(state_dir: Path) -> None
         assert dev.down(state_dir) == []
         assert dev.load_dev_urls(state_dir) is None
     finally:
-        with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+        with psycopg.connect(MACHINE_ADMIN_URL, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
 
@@ -225,6 +235,7 @@ def test_failed_up_stops_what_it_started(state_dir: Path, monkeypatch: pytest.Mo
 # --- saying what is used, recording only what must be ---------------------------------------
 
 
+@pytest.mark.usefixtures("machine_services")
 def test_machine_services_used_without_recording_them(state_dir: Path) -> None:
     """``record=False`` (the demo): the machine's services are used and named, dev.json is not
     written, so later commands are not silently pointed at them."""
@@ -236,7 +247,7 @@ def test_machine_services_used_without_recording_them(state_dir: Path) -> None:
         assert dev.describe(state, "postgres") == "the machine's own server on 127.0.0.1:5432"
         assert dev.describe(state, "redis") == "the machine's own server on 127.0.0.1:6379"
     finally:
-        with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+        with psycopg.connect(MACHINE_ADMIN_URL, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{database}" WITH (FORCE)')
 
 
@@ -250,6 +261,6 @@ def test_ensure_and_drop_a_database_on_the_server_of_a_url(migrated: Settings) -
             dev.ensure_database(migrated.database_url, "x; DROP")
     finally:
         assert dev.drop_database(url) == name
-    with psycopg.connect(ADMIN_URL) as conn:
+    with psycopg.connect(ADMIN_URL) as conn:  # the server this run's tests use
         found = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
     assert found is None
