@@ -7,10 +7,12 @@ median L and sigma 0.3, whose mean is L̄ = 1.046 L. The physical limit of the k
 min(K·R/60, K·C/L̄) jobs/s; with a token budget of T tokens per minute a key and calls of T̄
 tokens on average, K·T/60/T̄ as well (the ``token-bound`` case: calls reserve the most they may
 use, ``max_tokens``, and report what they used). Every subject (:mod:`bench.goodput_subjects`)
-gets a fresh service and N jobs that each make one call, and runs until they are all done or its
-time cap passes (then it is stopped: the jobs not done are reported as unfinished). Everything is
-read from the service's own records, the oracle: its per-key peaks and 429 counts, and the log of
-every call (with a token budget, the most tokens a key had in any window of 60 s).
+gets a fresh service (seeded: a call's latency is its job's item's own, the same for every
+subject; :mod:`harvest.loopback`) and N jobs that each make one call, and runs until they are
+all done or its time cap passes (then it is stopped: the jobs not done are reported as
+unfinished). Everything is read from the service's own records, the oracle: its per-key peaks
+and 429 counts, and the log of every call (with a token budget, the most tokens a key had in
+any window of 60 s).
 
 - **jobs/s steady.** Jobs whose (first) successful call ended in the steady part, per second.
   Rate-bound cases (K·R/60 < K·C/L̄): a key's first window is a burst (its R calls go out at
@@ -55,6 +57,7 @@ from harvest.loopback import (
     window_peaks,
 )
 
+SEED = 2026  # every subject's calls take the same latencies, item by item (harvest.loopback)
 FULL = (
     Case("rate-bound", 8, 4, 120, 60.0, 0.5, jobs=2016, cap=150.0),
     Case("concurrency-bound", 8, 4, 6000, 60.0, 1.0, jobs=920, cap=50.0),
@@ -208,7 +211,9 @@ def run_subject(ctx: Ctx, case: Case, subject: Subject) -> dict[str, Any]:
     """Start the service and the subject, submit the case's jobs, watch until done or the cap,
     and work out the figures. Everything it started is stopped when it returns."""
     with ctx.scope():
-        service = start_loopback(case.loop_keys(), latency=case.latency, tokens_range=case.tokens)
+        service = start_loopback(
+            case.loop_keys(), latency=case.latency, tokens_range=case.tokens, seed=SEED
+        )
         ctx.later(service.stop)
         ctx.step(f"goodput {case.name}: starting {subject.name}")
         subject.start(ctx, case, service)

@@ -24,6 +24,10 @@ with the arriving call counted, refused or not: the oracle of a client that over
 
 A call names its job and attempt in its JSON body (``{"job": 17, "attempt": 1}``) or in the
 ``X-Job-Id`` / ``X-Attempt`` headers; ``"latency": s`` in the body overrides the drawn latency.
+With a ``seed``, a call that names its item of work (``"i": n`` in the body, an integer) takes
+that item's latency, drawn from the seed and ``n`` alone: clients that send the same items get
+the same latencies, whatever order their calls come in (the goodput benchmark compares its
+subjects on the same work, not on two samples of it).
 The service records per key: requests, 200s, 429s (by cause), 500s, the peak of calls in flight
 it admitted (never above ``concurrency``) and the peak it was asked to hold (admitted in flight
 plus the arriving call, refused or not: the oracle of a client that overruns a key), and a log
@@ -117,7 +121,7 @@ class Loopback:
             raise ValueError("loopback keys need distinct names and secrets")
         self.states = {k.secret: KeyState(k) for k in keys}
         self.latency, self.sigma, self.error_rate, self.tokens = latency, sigma, error_rate, tokens
-        self.rng = random.Random(seed)
+        self.rng, self.seed = random.Random(seed), seed
         self.log: list[tuple[Any, ...]] = []
         self.unknown_key = self.log_dropped = 0
         for state in self.states.values():
@@ -141,8 +145,7 @@ class Loopback:
             self.unknown_key += 1
             self.record(("?", job, attempt, start, time.time(), 401, 0))
             return 401, {}, {"error": "invalid API key"}
-        latency = _number(body.get("latency"), self.rng.lognormvariate(math.log(self.latency),
-                                                                       self.sigma))  # fmt: skip
+        latency = _number(body.get("latency"), self._draw_latency(body.get("i")))
         state.count("requests")
         tokens = int(_number(body.get("tokens"), self._draw_tokens()))
         now = time.monotonic()
@@ -166,6 +169,14 @@ class Loopback:
             return 500, limits, {"error": "internal error (simulated)"}
         body = {"job": job, "attempt": attempt, "usage": {"total_tokens": tokens}}
         return 200, limits, body
+
+    def _draw_latency(self, item: Any) -> float:
+        """An admitted call's latency: the item's own with a seed (see the module), else the
+        next draw."""
+        rng = self.rng
+        if self.seed is not None and isinstance(item, int) and not isinstance(item, bool):
+            rng = random.Random(f"{self.seed}:{item}")
+        return rng.lognormvariate(math.log(self.latency), self.sigma)
 
     def _draw_tokens(self) -> float:
         if self.tokens_range is None:

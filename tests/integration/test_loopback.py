@@ -139,6 +139,25 @@ def test_errors_and_lognormal_latency() -> None:
     assert took[-1] > took[0] * 1.3  # drawn, not fixed
 
 
+def test_with_a_seed_an_item_takes_the_same_latency_whatever_the_order_of_the_calls() -> None:
+    keys = [LoopKey("a", SECRET_A, 64)]
+
+    async def calls(items: list[int], url: str) -> None:
+        headers = {"Authorization": f"Bearer {SECRET_A}"}
+        async with httpx.AsyncClient(headers=headers, timeout=30) as http:
+            for i in items:  # one at a time: the order of the calls is the order given
+                await http.post(f"{url}/v1/call", json={"job": i, "attempt": 1, "i": i})
+
+    took = []
+    for items in ([0, 1, 2, 3, 4, 5], [5, 3, 1, 0, 2, 4]):
+        with start_loopback(keys, latency=0.05, sigma=0.8, seed=11) as handle:
+            asyncio.run(calls(items, handle.url))
+            took.append({e["job"]: e["end"] - e["start"] for e in handle.log()})
+    first, second = took
+    assert all(abs(first[i] - second[i]) < 0.01 for i in first)  # the item's own latency
+    assert max(first.values()) > 1.5 * min(first.values())  # drawn per item, not one value
+
+
 def test_keep_alive_many_connections_and_a_malformed_request(service: LoopbackHandle) -> None:
     responses = asyncio.run(_burst(service.url, SECRET_A, 200, latency=0.0))
     assert len(responses) == 200
