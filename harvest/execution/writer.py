@@ -1,15 +1,24 @@
 """Grouped fenced writes for the jobs in flight in one process.
 
-Holds, starts, finishes and deferrals that arrive within ``linger`` seconds of each other are
-written as one statement each (one commit), every row still fenced by its own lease token: a
-row whose token no longer matches is refused alone, never the group. Each kind has at most one
-statement in flight (group commit): what arrives while it runs is written together right after
-it, so the busier the process, the larger each statement, and no write queues behind a linger
-timer while the database is idle. A statement that fails for a
-transient reason (a restart, a terminated backend, a deadlock) is retried with backoff for up
-to ``patience`` seconds; one that fails for a row's data is split so that only that row fails.
-A crash loses at most the writes gathered and not yet committed: their jobs keep their leases,
-which expire, and rescue takes them back exactly as it does a single job's.
+Holds, starts, finishes and deferrals are gathered by kind and written as one statement each
+(one commit), every row still fenced by its own lease token: a row whose token no longer
+matches is refused alone, never the group. A row waits at most its kind's linger after it
+arrives, or until the statement of its kind in flight is done, whichever is later: each kind
+has at most one statement in flight (group commit), so the busier the process, the larger each
+statement, and no write waits on a timer while the database is idle.
+
+Starts linger ``linger`` (``HARVEST_WRITE_LINGER_MS``): a job that holds a key writes its start
+before its call, so a start's wait is a key's idle time. Holds, finishes and deferrals linger
+``settle`` (``HARVEST_SETTLE_LINGER_MS``): no key waits on them (a finish comes after the key is
+given back), so they gather longer, for fewer statements and commits; a job's outcome is
+recorded up to that much later. Measured in the huge goodput case (243 jobs/s a process): a
+group commit with no floor wrote 2 to 3 rows a statement, one statement and more per job.
+
+A statement that fails for a transient reason (a restart, a terminated backend, a deadlock) is
+retried with backoff for up to ``patience`` seconds; one that fails for a row's data is split
+so that only that row fails. A crash loses at most the writes gathered and not yet committed:
+their jobs keep their leases, which expire, and rescue takes them back exactly as it does a
+single job's.
 """
 
 from __future__ import annotations
@@ -39,10 +48,12 @@ class _Kind:
         self,
         build: Callable[[Sequence[Any]], sql.Query[Any]],
         pick: Callable[[Any, Any], Any],
+        linger: float,
     ) -> None:
-        self.build, self.pick = build, pick
+        self.build, self.pick, self.linger = build, pick, linger
         self.waiting: list[tuple[Any, asyncio.Future[Any]]] = []
-        self.scheduled = False
+        self.since = 0.0  # monotonic: when the oldest row waiting arrived
+        self.timer: asyncio.TimerHandle | None = None
         self.busy = False  # a statement of this kind is in flight
 
 
@@ -55,24 +66,29 @@ class Writer:
         worker: str,
         linger: float,
         patience: float,
+        settle: float | None = None,
     ) -> None:
         self.pool = pool
-        self.linger, self.patience = linger, patience
+        self.patience = patience
+        settle = linger if settle is None else settle
         self._kinds = {
             "hold": _Kind(
                 lambda pairs: sql.hold(pairs, ttl=ttl),
                 lambda found, pair: found.get(pair[0]),
+                settle,
             ),
             "start": _Kind(
                 lambda pairs: sql.start(pairs, ttl=ttl, worker=worker),
                 lambda found, pair: found.get(pair[0]),
+                linger,
             ),
-            "finish": _Kind(sql.finish, lambda found, row: row.job_id in found),
-            "defer": _Kind(sql.defer, lambda found, row: row.job_id in found),
+            "finish": _Kind(sql.finish, lambda found, row: row.job_id in found, settle),
+            "defer": _Kind(sql.defer, lambda found, row: row.job_id in found, settle),
         }
         self._counts: Counter[str] = Counter()
         self._tasks: set[asyncio.Task[None]] = set()
         self._bump_scheduled = False
+        self._draining = False  # shutdown: nothing lingers
         self.statements = 0  # written so far (for tests and the log)
         self.rows = 0
 
@@ -113,6 +129,7 @@ class Writer:
 
     async def drain(self) -> None:
         """Write everything gathered (shutdown)."""
+        self._draining = True
         for name in self._kinds:
             self._flush(name)
         self._flush_counts()
@@ -121,23 +138,40 @@ class Writer:
 
     def _submit(self, name: str, item: Any) -> asyncio.Future[Any]:
         kind = self._kinds[name]
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[Any] = loop.create_future()
+        if not kind.waiting:
+            kind.since = time.monotonic()
         kind.waiting.append((item, future))
-        if len(kind.waiting) >= MAX_ROWS:
+        if len(kind.waiting) >= MAX_ROWS or self._draining:
             self._flush(name)
-        elif not kind.scheduled:
-            kind.scheduled = True
-            asyncio.get_running_loop().call_later(self.linger, self._flush, name)
+        elif kind.timer is None and not kind.busy:
+            kind.timer = loop.call_later(kind.linger, self._flush, name)
         return future
 
     def _flush(self, name: str) -> None:
         kind = self._kinds[name]
-        kind.scheduled = False
+        if kind.timer is not None:
+            kind.timer.cancel()
+            kind.timer = None
         if kind.busy or not kind.waiting:
             return  # the statement in flight writes these next
         batch, kind.waiting = kind.waiting[:MAX_ROWS], kind.waiting[MAX_ROWS:]
+        kind.since = time.monotonic()  # what is left of a full statement goes next
         kind.busy = True
         self._spawn(self._write_then_next(name, kind, batch))
+
+    def _next(self, name: str) -> None:
+        """After a statement of a kind: what waits goes once its oldest row has waited its
+        linger (at once when it has: the statement took longer than the linger)."""
+        kind = self._kinds[name]
+        if not kind.waiting or kind.timer is not None:
+            return
+        due = kind.since + kind.linger - time.monotonic()
+        if due <= 0 or len(kind.waiting) >= MAX_ROWS or self._draining:
+            self._flush(name)
+        else:
+            kind.timer = asyncio.get_running_loop().call_later(due, self._flush, name)
 
     async def _write_then_next(
         self, name: str, kind: _Kind, batch: list[tuple[Any, asyncio.Future[Any]]]
@@ -146,8 +180,7 @@ class Writer:
             await self._write(kind, batch)
         finally:
             kind.busy = False
-            if kind.waiting:
-                self._flush(name)
+            self._next(name)
 
     def _flush_counts(self) -> None:
         self._bump_scheduled = False

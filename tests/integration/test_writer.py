@@ -1,0 +1,104 @@
+"""The grouped writer of an execution process's event loop, against a real Postgres: what
+gathers how long, and that shutdown waits for nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+from psycopg_pool import AsyncConnectionPool
+from sqlalchemy import Engine, text
+
+from harvest.db import connect_options
+from harvest.execution import sql
+from harvest.execution.writer import Writer
+from harvest.models import JobStatus
+from harvest.settings import Settings
+
+
+def _dispatched(engine: Engine, n: int) -> list[sql.Pair]:
+    with engine.begin() as conn:
+        rows = conn.execute(
+            text(
+                "INSERT INTO harvest_jobs (name, status, lease_token, dispatched_at, "
+                "lease_expires_at) SELECT 'writer.test', 'dispatched', gen_random_uuid(), now(), "
+                "now() + interval '60 seconds' FROM generate_series(1, :n) "
+                "RETURNING id, lease_token"
+            ),
+            {"n": n},
+        ).all()
+    return [(int(r.id), uuid.UUID(str(r.lease_token))) for r in rows]
+
+
+async def _with_writer(settings: Settings, settle: float, body: Any) -> Any:
+    pool: AsyncConnectionPool[Any] = AsyncConnectionPool(
+        settings.psycopg_url,
+        min_size=1,
+        max_size=2,
+        kwargs={"autocommit": True, **connect_options(settings, generic_plans=True)},
+        open=False,
+    )
+    await pool.open(wait=True)
+    try:
+        writer = Writer(pool, ttl=30.0, worker="w", linger=0.002, settle=settle, patience=5.0)
+        return await body(writer)
+    finally:
+        await pool.close()
+
+
+def test_holds_and_finishes_that_come_within_the_settle_linger_share_one_statement(
+    clean_db: Engine, migrated: Settings
+) -> None:
+    jobs = _dispatched(clean_db, 5)
+
+    async def body(writer: Writer) -> tuple[list[Any], int, float]:
+        began = time.monotonic()
+        futures = []
+        for pair in jobs:  # 30 ms apart: each would be a statement of its own at 2 ms
+            futures.append(asyncio.ensure_future(writer.hold(pair)))
+            await asyncio.sleep(0.03)
+        held = await asyncio.gather(*futures)
+        return held, writer.statements, time.monotonic() - began
+
+    held, statements, took = asyncio.run(_with_writer(migrated, 0.3, body))
+    assert all(h is not None for h in held)  # every job held, each by its own token
+    assert statements == 1
+    assert took >= 0.3  # the first waited its linger
+
+
+def test_a_start_does_not_wait_for_the_settle_linger(clean_db: Engine, migrated: Settings) -> None:
+    (pair,) = _dispatched(clean_db, 1)
+
+    async def body(writer: Writer) -> tuple[Any, float]:
+        began = time.monotonic()
+        started = await writer.start(pair)
+        return started, time.monotonic() - began
+
+    started, took = asyncio.run(_with_writer(migrated, 30.0, body))
+    assert started is not None and started.attempt == 1
+    assert took < 5.0  # a start is on a key's time: it lingers 2 ms, not 30 s
+
+
+def test_shutdown_writes_what_lingers_at_once(clean_db: Engine, migrated: Settings) -> None:
+    (pair,) = _dispatched(clean_db, 1)
+
+    async def body(writer: Writer) -> tuple[bool, float]:
+        started = await writer.start(pair)
+        assert started is not None
+        finishing = asyncio.ensure_future(
+            writer.finish(sql.Finish(pair[0], pair[1], JobStatus.SUCCEEDED, result_json="1"))
+        )
+        await asyncio.sleep(0.05)
+        began = time.monotonic()
+        await writer.drain()
+        return await finishing, time.monotonic() - began
+
+    recorded, took = asyncio.run(_with_writer(migrated, 30.0, body))
+    assert recorded and took < 5.0
+    with clean_db.connect() as conn:
+        status = conn.execute(
+            text("SELECT status FROM harvest_jobs WHERE id = :id"), {"id": pair[0]}
+        )
+        assert status.scalar_one() == "succeeded"
