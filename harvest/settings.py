@@ -206,18 +206,18 @@ class Settings(BaseSettings):
         default=2.0,
         ge=0,
         le=1000,
-        description="How long an execution process gathers the starts of its async jobs before "
-        "writing them as one statement (one commit). A job that holds its key writes its start "
-        "before its call: this is time a key may wait.",
+        description="How long an execution process gathers the holds and starts of its async "
+        "jobs before writing each kind as one statement (one commit). A job that holds its key "
+        "writes its start before its call: this is time a key may wait.",
     )
     settle_linger_ms: float = Field(
         default=20.0,
         ge=0,
         le=1000,
-        description="How long an execution process gathers the holds, finishes and deferrals of "
-        "its async jobs before writing each kind as one statement (one commit). No key waits on "
-        "them; a job's outcome is recorded, and a held job reaches its gate, up to this much "
-        "later.",
+        description="The most an execution process lets the finish of an async job wait to "
+        "share a statement with others: a fiftieth of the handler's run time, at least "
+        "HARVEST_WRITE_LINGER_MS and at most this (deferrals: this). No key waits on them; a job "
+        "that ran for seconds is recorded milliseconds later.",
     )
     async_db_pool_size: int = Field(
         default=4, ge=1, le=1000, description="Postgres connections of one process's event loop."

@@ -217,8 +217,8 @@ class AsyncShell:
             case fx.DisableKey(lease):
                 self.parked.drop_key(lease)
                 return await self.gate.rejected(lease)
-            case fx.Finish(row):
-                return await self.writer.finish(row)
+            case fx.Finish(row, ran):
+                return await self.writer.finish(row, ran)
             case fx.ReleaseKey():
                 return await self._release(e)
             case fx.CountUsage(call):

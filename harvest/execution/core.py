@@ -329,7 +329,7 @@ def _started(
         yield from _dropped(tracked)
     else:
         tracked.finishing = True  # before the write: a renewal that misses it now is no news
-        recorded = yield fx.Finish(finish_row(started, decided))
+        recorded = yield fx.Finish(finish_row(started, decided), result.seconds)
         if not recorded:
             yield from _dropped(tracked)
     if not result.ended_elsewhere:

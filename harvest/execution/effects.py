@@ -136,9 +136,11 @@ class DisableKey:
 
 @dataclass(frozen=True, slots=True)
 class Finish:
-    """-> bool: the attempt's one fenced write (False: its lease was lost; nothing written)."""
+    """-> bool: the attempt's one fenced write (False: its lease was lost; nothing written).
+    ``ran``: seconds its handler ran (how long the write may wait to share a statement)."""
 
     row: sql.Finish
+    ran: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

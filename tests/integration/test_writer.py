@@ -48,48 +48,58 @@ async def _with_writer(settings: Settings, settle: float, body: Any) -> Any:
         await pool.close()
 
 
-def test_holds_and_finishes_that_come_within_the_settle_linger_share_one_statement(
+async def _started(writer: Writer, jobs: list[sql.Pair]) -> None:
+    for started in await asyncio.gather(*(writer.start(pair) for pair in jobs)):
+        assert started is not None
+
+
+def _done(pair: sql.Pair) -> sql.Finish:
+    return sql.Finish(pair[0], pair[1], JobStatus.SUCCEEDED, result_json="1")
+
+
+def test_finishes_of_long_calls_that_come_within_the_settle_linger_share_one_statement(
     clean_db: Engine, migrated: Settings
 ) -> None:
     jobs = _dispatched(clean_db, 5)
 
-    async def body(writer: Writer) -> tuple[list[Any], int, float]:
+    async def body(writer: Writer) -> tuple[list[bool], int, float]:
+        await _started(writer, jobs)
+        before = writer.statements
         began = time.monotonic()
         futures = []
         for pair in jobs:  # 30 ms apart: each would be a statement of its own at 2 ms
-            futures.append(asyncio.ensure_future(writer.hold(pair)))
+            futures.append(asyncio.ensure_future(writer.finish(_done(pair), ran=60.0)))
             await asyncio.sleep(0.03)
-        held = await asyncio.gather(*futures)
-        return held, writer.statements, time.monotonic() - began
+        recorded = await asyncio.gather(*futures)
+        return recorded, writer.statements - before, time.monotonic() - began
 
-    held, statements, took = asyncio.run(_with_writer(migrated, 0.3, body))
-    assert all(h is not None for h in held)  # every job held, each by its own token
+    recorded, statements, took = asyncio.run(_with_writer(migrated, 0.3, body))
+    assert all(recorded)  # every job finished, each by its own token
     assert statements == 1
-    assert took >= 0.3  # the first waited its linger
+    assert took >= 0.3  # the first waited the settle linger (a fiftieth of 60 s is more)
 
 
-def test_a_start_does_not_wait_for_the_settle_linger(clean_db: Engine, migrated: Settings) -> None:
-    (pair,) = _dispatched(clean_db, 1)
+def test_a_short_job_is_not_held_by_the_settle_linger(clean_db: Engine, migrated: Settings) -> None:
+    jobs = _dispatched(clean_db, 3)
 
-    async def body(writer: Writer) -> tuple[Any, float]:
+    async def body(writer: Writer) -> float:
+        await _started(writer, jobs)
         began = time.monotonic()
-        started = await writer.start(pair)
-        return started, time.monotonic() - began
+        await writer.hold(jobs[0])  # a hold goes at the write linger
+        await writer.finish(_done(jobs[1]), ran=0.001)  # so does a short job's finish
+        await writer.finish(_done(jobs[2]), ran=50.0)  # a fiftieth of 50 s: 1 s, under 30 s
+        return time.monotonic() - began
 
-    started, took = asyncio.run(_with_writer(migrated, 30.0, body))
-    assert started is not None and started.attempt == 1
-    assert took < 5.0  # a start is on a key's time: it lingers 2 ms, not 30 s
+    took = asyncio.run(_with_writer(migrated, 30.0, body))
+    assert 1.0 <= took < 5.0
 
 
 def test_shutdown_writes_what_lingers_at_once(clean_db: Engine, migrated: Settings) -> None:
     (pair,) = _dispatched(clean_db, 1)
 
     async def body(writer: Writer) -> tuple[bool, float]:
-        started = await writer.start(pair)
-        assert started is not None
-        finishing = asyncio.ensure_future(
-            writer.finish(sql.Finish(pair[0], pair[1], JobStatus.SUCCEEDED, result_json="1"))
-        )
+        await _started(writer, [pair])
+        finishing = asyncio.ensure_future(writer.finish(_done(pair), ran=3600.0))
         await asyncio.sleep(0.05)
         began = time.monotonic()
         await writer.drain()
