@@ -58,9 +58,8 @@ class _Kind:
     ) -> None:
         self.build, self.pick, self.linger = build, pick, linger
         self.waiting: list[tuple[Any, asyncio.Future[Any]]] = []
-        self.due = 0.0  # monotonic: when what waits must go (the earliest of its rows' lingers)
+        self.due = 0.0  # loop time: when what waits must go (the earliest of its rows' lingers)
         self.timer: asyncio.TimerHandle | None = None
-        self.timer_at = 0.0
         self.busy = False  # a statement of this kind is in flight
 
 
@@ -152,7 +151,7 @@ class Writer:
         kind = self._kinds[name]
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        due = time.monotonic() + (kind.linger if linger is None else linger)
+        due = loop.time() + (kind.linger if linger is None else linger)
         kind.due = min(kind.due, due) if kind.waiting else due
         kind.waiting.append((item, future))
         if len(kind.waiting) >= MAX_ROWS or self._draining:
@@ -163,16 +162,13 @@ class Writer:
 
     def _schedule(self, name: str, kind: _Kind) -> None:
         """Flush ``kind`` when it is due (now, if it is), unless a timer goes sooner."""
-        delay = kind.due - time.monotonic()
-        if delay <= 0:
+        loop = asyncio.get_running_loop()
+        if kind.due <= loop.time():
             self._flush(name)
-        elif kind.timer is None or kind.due < kind.timer_at:
+        elif kind.timer is None or kind.due < kind.timer.when():
             if kind.timer is not None:
                 kind.timer.cancel()
-            kind.timer, kind.timer_at = (
-                asyncio.get_running_loop().call_later(delay, self._flush, name),
-                kind.due,
-            )
+            kind.timer = loop.call_at(kind.due, self._flush, name)
 
     def _flush(self, name: str) -> None:
         kind = self._kinds[name]
@@ -182,7 +178,7 @@ class Writer:
         if kind.busy or not kind.waiting:
             return  # the statement in flight writes these next
         batch, kind.waiting = kind.waiting[:MAX_ROWS], kind.waiting[MAX_ROWS:]
-        kind.due = time.monotonic()  # what is left of a full statement goes next
+        kind.due = asyncio.get_running_loop().time()  # what is left of a full statement goes next
         kind.busy = True
         self._spawn(self._write_then_next(name, kind, batch))
 
