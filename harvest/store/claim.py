@@ -37,11 +37,16 @@ def in_flight_by_pool(conn: Connection, pools: Sequence[str]) -> dict[str, int]:
     return {r.pool: int(r.n) for r in rows}
 
 
+# The chosen rows are found again by their ids: ``j.id = ANY(...)`` gives the generic plan an
+# index path whatever it guesses of ``chosen``. Without it, the generic plan guessed a hundred
+# rows chosen and, on a table of a few to twenty thousand rows, hash-joined them to a
+# sequential scan of the whole table (measured: 2.6 ms a claim of one row at 19,358 rows,
+# against 1.0 ms at 20,000, where the guess tipped the other way).
 _CLAIM_UPDATE = """
     UPDATE harvest_jobs AS j
     SET status = 'dispatched', lease_token = gen_random_uuid(), dispatched_at = now(),
         lease_expires_at = now() + make_interval(secs => :ttl)
-    FROM chosen WHERE j.id = chosen.id
+    FROM chosen WHERE j.id = chosen.id AND j.id = ANY(ARRAY(SELECT id FROM chosen))
     RETURNING j.id, j.lease_token, j.queue, j.name, j.priority, j.pool, chosen.aged, chosen.turn,
               CAST(extract(epoch FROM j.run_at) AS float8) AS run_at
     """

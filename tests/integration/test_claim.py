@@ -279,3 +279,38 @@ def test_the_claims_generic_plan_setting_never_outlives_its_statement(clean_db: 
             statements.run_generic(conn, failing)
         assert mode() == "auto"
         assert len(store.claim_due(conn, limit=2, ttl=60)) == 1  # the connection still works
+
+
+@pytest.mark.parametrize("backlog", [3_000, 19_358])
+def test_the_claim_never_reads_the_whole_jobs_table(clean_db: Engine, backlog: int) -> None:
+    """The plans the dispatcher's claims run with (generic: one for every batch) read the rows
+    they take by an index, with or without budgets, whatever the backlog's size. At these two
+    sizes the plan once hash-joined the chosen rows to a sequential scan of the whole table:
+    a claim of one row took 2.6 ms instead of 1.0."""
+    insert_due(clean_db, backlog)
+    with clean_db.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT")
+        conn.execute(text("VACUUM ANALYZE harvest_jobs"))
+        claimed = 0
+        for budgets in (None, {"a-pool": 5}):
+            for limit in (1, 10, 100):
+                claimed += len(store.claim_due(conn, limit=limit, ttl=60, budgets=budgets))
+        assert claimed == 2 * (1 + 10 + 100)  # the jobs have no key pool: no budget holds them
+        # The claims' own prepared statements, explained as they run (parameters do not
+        # shape a generic plan: NULLs stand in for them).
+        raw = conn.connection.driver_connection
+        assert raw is not None
+        prepared = raw.execute(
+            "SELECT name, parameter_types FROM pg_prepared_statements "
+            "WHERE statement LIKE '%%WITH RECURSIVE%%'"
+        ).fetchall()
+        assert len(prepared) == 2  # the claim with budgets and the one without
+        plans = []
+        with raw.transaction():
+            raw.execute("SET LOCAL plan_cache_mode = force_generic_plan")
+            for name, types in prepared:
+                nulls = ", ".join(f"NULL::{t}" for t in types)
+                rows = raw.execute(f'EXPLAIN EXECUTE "{name}" ({nulls})').fetchall()
+                plans.append("\n".join(r[0] for r in rows))
+    for plan in plans:
+        assert "Seq Scan on harvest_jobs" not in plan, plan
