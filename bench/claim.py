@@ -10,6 +10,7 @@ here the claimed rows would pile up and make it grow without bound.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import time
 from collections.abc import Callable
@@ -73,51 +74,56 @@ def dispatch_claim(conn: Any, settings: Any, limit: int) -> list[Any]:
 
 
 def harvest_claimer(ready: Callable[[], None], sa_url: str, batch: int, seconds: float) -> Result:
+    from harvest import store
     from harvest.db import make_engine
     from harvest.settings import Settings
 
     settings = Settings(database_url=sa_url)
     engine = make_engine(settings, pool_size=1)
-    # As harvest.dispatcher.dispatch runs it: one connection in autocommit for the whole
-    # call, each claim one statement that commits by itself.
-    with engine.connect() as conn:
-        conn.execution_options(isolation_level="AUTOCOMMIT")
-        warm_until = time.perf_counter() + WARMUP
-        while time.perf_counter() < warm_until:  # connected and warm before the clock starts
-            dispatch_claim(conn, settings, batch)
-        ready()
-        rows = claims = 0
-        started = time.perf_counter()
-        out = False
-        while time.perf_counter() - started < seconds:
-            got = dispatch_claim(conn, settings, batch)
-            rows += len(got)
-            claims += 1
-            if len(got) < batch:
-                out = True
-                break
-        elapsed = time.perf_counter() - started
-    engine.dispose()
-    return rows, claims, elapsed, out
+    try:
+        # As harvest.dispatcher.dispatch runs it: one connection in autocommit for the whole
+        # call, each claim one statement that commits by itself, the rounds in one
+        # claim_round block where this version of harvest has one (the claims' plan setting
+        # made once for the block).
+        with engine.connect() as conn:
+            conn.execution_options(isolation_level="AUTOCOMMIT")
+            block = getattr(store, "claim_round", None)
+            with block(conn) if block else contextlib.nullcontext():
+                return _claims(ready, lambda: dispatch_claim(conn, settings, batch), batch, seconds)
+    finally:
+        engine.dispose()
+
+
+def _claims(
+    ready: Callable[[], None], claim: Callable[[], list[Any]], batch: int, seconds: float
+) -> Result:
+    """Warm ``claim`` up, wait for the other children, then claim for ``seconds`` (or until
+    a claim comes back short: the backlog ran out)."""
+    warm_until = time.perf_counter() + WARMUP
+    while time.perf_counter() < warm_until:  # connected and warm before the clock starts
+        claim()
+    ready()
+    rows = claims = 0
+    started = time.perf_counter()
+    out = False
+    while time.perf_counter() - started < seconds:
+        got = claim()
+        rows += len(got)
+        claims += 1
+        if len(got) < batch:
+            out = True
+            break
+    return rows, claims, time.perf_counter() - started, out
 
 
 def raw_claimer(ready: Callable[[], None], url: str, batch: int, seconds: float) -> Result:
     with psycopg.connect(url, autocommit=True) as conn:
-        warm_until = time.perf_counter() + WARMUP
-        while time.perf_counter() < warm_until:
-            conn.execute(RAW_CLAIM, (batch,), prepare=True).fetchall()
-        ready()
-        rows = claims = 0
-        started = time.perf_counter()
-        out = False
-        while time.perf_counter() - started < seconds:
-            got = conn.execute(RAW_CLAIM, (batch,), prepare=True).fetchall()
-            rows += len(got)
-            claims += 1
-            if len(got) < batch:
-                out = True
-                break
-        return rows, claims, time.perf_counter() - started, out
+        return _claims(
+            ready,
+            lambda: conn.execute(RAW_CLAIM, (batch,), prepare=True).fetchall(),
+            batch,
+            seconds,
+        )
 
 
 def run(ctx: Ctx) -> list[Row]:

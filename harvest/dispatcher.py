@@ -56,39 +56,48 @@ def dispatch(app: Harvest) -> DispatchReport:
     count and the claim), not five. While jobs are in flight, a round claims only once
     :func:`refill_at` slots are free: topping up a few freed slots at a time made messages of
     one or two jobs under a deep backlog, and the per-message cost is what Celery pays most."""
-    settings = app.settings
-    claimed_total = messages = rounds = 0
     started = time.monotonic()
     looking = _Looking(app)
     room = _WORKERS.capacity(app)
     with app.engine.connect() as conn:
         conn.execution_options(isolation_level="AUTOCOMMIT")
         store.quarantine_pending(conn)  # rows the claim skips: failed, with the reason
-        while rounds < MAX_ROUNDS and time.monotonic() - started < MAX_SECONDS:
-            rounds += 1
-            inflight = store.inflight(conn)
-            limit = min(settings.claim_batch_size, room.window - inflight)
-            full = inflight > 0 and limit < refill_at(settings)
-            if full:
-                limit = 0  # busy: let more slots free up, then fill them in bigger messages
-            budgets = pool_budgets(app, conn) if limit > 0 else None
-            claimed = store.claim_due(
-                conn,
-                limit=limit,
-                ttl=settings.dispatch_ttl,
-                budgets=budgets,
-                starvation_after=settings.starvation_after or None,
-                weights=settings.tenant_weights,
-            )
-            if not claimed:
-                if not looking.on(full=full, inflight=inflight):
-                    break
-                time.sleep(LINGER_POLL)
-                continue
-            looking = _Looking(app)
-            messages += _publish(app, conn, claimed, consumers=room.consumers)
-            claimed_total += len(claimed)
+        with store.claim_round(conn):
+            claimed_total, messages, rounds = _rounds(app, conn, looking, room, started)
     return DispatchReport(claimed_total, messages, rounds)
+
+
+def _rounds(
+    app: Harvest, conn: Connection, looking: _Looking, room: Room, started: float
+) -> tuple[int, int, int]:
+    """The rounds of one dispatch call: (jobs claimed, messages sent, rounds)."""
+    settings = app.settings
+    claimed_total = messages = rounds = 0
+    while rounds < MAX_ROUNDS and time.monotonic() - started < MAX_SECONDS:
+        rounds += 1
+        inflight = store.inflight(conn)
+        limit = min(settings.claim_batch_size, room.window - inflight)
+        full = inflight > 0 and limit < refill_at(settings)
+        if full:
+            limit = 0  # busy: let more slots free up, then fill them in bigger messages
+        budgets = pool_budgets(app, conn) if limit > 0 else None
+        claimed = store.claim_due(
+            conn,
+            limit=limit,
+            ttl=settings.dispatch_ttl,
+            budgets=budgets,
+            starvation_after=settings.starvation_after or None,
+            weights=settings.tenant_weights,
+        )
+        if not claimed:
+            if not looking.on(full=full, inflight=inflight):
+                break
+            time.sleep(LINGER_POLL)
+            continue
+        looking = _Looking(app)
+        messages += _publish(app, conn, claimed, consumers=room.consumers)
+        claimed_total += len(claimed)
+    return claimed_total, messages, rounds
 
 
 @dataclass

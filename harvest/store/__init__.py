@@ -21,6 +21,7 @@ from harvest.jobs import Job  # the value store reads return (store.Job in annot
 from harvest.store.claim import (
     aging_share,
     claim_due,
+    claim_round,
     in_flight_by_pool,
     inflight,
     recent_run_seconds,
@@ -126,6 +127,7 @@ __all__ = [
     "cancel",
     "claim_due",
     "claim_due_schedule",
+    "claim_round",
     "counters",
     "counts_by_status",
     "db_now",

@@ -3,10 +3,11 @@ prepared on the driver connection), jobs in flight, and recent run times."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sqlalchemy import Connection, TextClause, text
+from sqlalchemy import Connection, Integer, TextClause, bindparam, text
 
 from harvest.execution import sql as statements
 from harvest.jobs import Claimed
@@ -188,6 +189,14 @@ def aging_share(limit: int) -> int:
     return min(limit, max(1, limit // 10)) if limit > 0 else 0
 
 
+def claim_round(conn: Connection) -> contextlib.AbstractContextManager[None]:
+    """A block of claims on one autocommit connection (a dispatch call's rounds): its
+    statements plan generically, the setting made once for the block rather than around each
+    claim (:func:`harvest.execution.sql.generic_plans`). Every statement of the store that a
+    dispatch call runs takes a generic plan as well as a custom one."""
+    return statements.generic_plans(conn)
+
+
 def claim_due(
     conn: Connection,
     *,
@@ -270,11 +279,13 @@ _RECENT_RUN_SECONDS = text(
     WHERE started_at IS NOT NULL
     GROUP BY name
     """
-)
+).bindparams(bindparam("sample", type_=Integer, literal_execute=True))
 
 
 def recent_run_seconds(conn: Connection, *, sample: int = 500) -> dict[str, float]:
     """Median run time (start to finish, database clock) of each job name among the last
-    ``sample`` jobs to finish (index ``harvest_jobs_finished_idx``, read backwards)."""
-    rows = conn.execute(_RECENT_RUN_SECONDS, {"sample": sample})
+    ``sample`` jobs to finish (index ``harvest_jobs_finished_idx``, read backwards).
+    ``sample`` is written into the statement, not sent: a generic plan (in a
+    :func:`claim_round`) that cannot see it would guess a tenth of the table and sort it."""
+    rows = conn.execute(_RECENT_RUN_SECONDS, {"sample": int(sample)})
     return {r.name: float(r.seconds) for r in rows}

@@ -314,3 +314,31 @@ def test_the_claim_never_reads_the_whole_jobs_table(clean_db: Engine, backlog: i
                 plans.append("\n".join(r[0] for r in rows))
     for plan in plans:
         assert "Seq Scan on harvest_jobs" not in plan, plan
+
+
+def test_a_claim_round_plans_generically_until_it_ends_however_it_ends(clean_db: Engine) -> None:
+    """In a claim_round block (a dispatch call's rounds) the connection plans generically
+    from its first statement to its last, the claims work as outside it, and the setting is
+    reset when the block ends, by an error too: the pooled connection goes back as it came."""
+    insert_due(clean_db, 5)
+    with clean_db.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT")
+        raw = conn.connection.driver_connection
+        assert raw is not None
+
+        def mode() -> str:
+            return str(raw.execute("SHOW plan_cache_mode").fetchone()[0])  # type: ignore[index]
+
+        with store.claim_round(conn):
+            assert mode() == "force_generic_plan"
+            assert len(store.claim_due(conn, limit=2, ttl=60)) == 2
+            assert mode() == "force_generic_plan"  # the claim left the block's setting alone
+            with store.claim_round(conn):  # a block inside another changes nothing
+                assert len(store.claim_due(conn, limit=1, ttl=60)) == 1
+            assert mode() == "force_generic_plan"
+        assert mode() == "auto"
+        with pytest.raises(RuntimeError, match="in the block"), store.claim_round(conn):
+            assert len(store.claim_due(conn, limit=1, ttl=60)) == 1
+            raise RuntimeError("failed in the block")
+        assert mode() == "auto"
+        assert len(store.claim_due(conn, limit=5, ttl=60)) == 1  # the connection still works
