@@ -43,13 +43,20 @@ def in_flight_by_pool(conn: Connection, pools: Sequence[str]) -> dict[str, int]:
 # rows chosen and, on a table of a few to twenty thousand rows, hash-joined them to a
 # sequential scan of the whole table (measured: 2.6 ms a claim of one row at 19,358 rows,
 # against 1.0 ms at 20,000, where the guess tipped the other way).
+# The rows come back in claim order, sorted by Postgres: the aged share first (oldest first:
+# its turn is 0 and its priority left out), then by turn, priority, run_at. Sorting them in
+# Python, from rows carrying the sort keys, was 1.2 us a row (a sixth of a claim of 100).
 _CLAIM_UPDATE = """
-    UPDATE harvest_jobs AS j
-    SET status = 'dispatched', lease_token = gen_random_uuid(), dispatched_at = now(),
-        lease_expires_at = now() + make_interval(secs => :ttl)
-    FROM chosen WHERE j.id = chosen.id AND j.id = ANY(ARRAY(SELECT id FROM chosen))
-    RETURNING j.id, j.lease_token, j.queue, j.name, j.priority, j.pool, chosen.aged, chosen.turn,
-              CAST(extract(epoch FROM j.run_at) AS float8) AS run_at
+    , claimed AS (
+        UPDATE harvest_jobs AS j
+        SET status = 'dispatched', lease_token = gen_random_uuid(), dispatched_at = now(),
+            lease_expires_at = now() + make_interval(secs => :ttl)
+        FROM chosen WHERE j.id = chosen.id AND j.id = ANY(ARRAY(SELECT id FROM chosen))
+        RETURNING j.id, j.lease_token, j.queue, j.name, j.priority, j.run_at, chosen.aged,
+                  chosen.turn
+    )
+    SELECT id, lease_token, queue, name FROM claimed
+    ORDER BY aged DESC, turn, CASE WHEN aged THEN 0 ELSE priority END DESC, run_at, id
     """
 
 
@@ -170,8 +177,9 @@ def _claim_statement(*, budgeted: bool) -> TextClause:
     Neither scan takes a job of a paused queue (``harvest_queue_pauses``).
 
     A row whose ``run_at`` Python cannot hold (written around the door) is never claimed, and
-    ``run_at`` comes back as epoch seconds: no value of a claimed row can fail to be read after
-    the claim committed (:func:`quarantine_pending` fails such rows)."""
+    ``run_at`` does not come back (it orders the rows in Postgres): no value of a claimed row
+    can fail to be read after the claim committed (:func:`quarantine_pending` fails such
+    rows)."""
     return text(_budgeted_claim() if budgeted else _plain_claim())
 
 
@@ -232,12 +240,12 @@ def claim_due(
     # guess for a LIMIT it cannot see costs more), and planning was more than half its time.
     # The plan's shape does not depend on the values: every scan walks an index in order.
     params = _claim_params(limit, ttl, budgets, starvation_after, weights)
-    rows = statements.run_generic(conn, statements.Query(_CLAIMS_SQL[bool(budgets)], params, list))
-    aged = sorted((r for r in rows if r.aged), key=lambda r: (r.run_at, r.id))
-    fresh = sorted(
-        (r for r in rows if not r.aged), key=lambda r: (r.turn, -r.priority, r.run_at, r.id)
-    )
-    return [Claimed(id=r.id, token=r.lease_token, queue=r.queue, name=r.name) for r in aged + fresh]
+    query = statements.Query(_CLAIMS_SQL[bool(budgets)], params, _claimed)
+    return statements.run_generic(conn, query)
+
+
+def _claimed(rows: list[Any]) -> list[Claimed]:
+    return [Claimed(id=r.id, token=r.lease_token, queue=r.queue, name=r.name) for r in rows]
 
 
 def _claim_params(
