@@ -327,7 +327,7 @@ def test_a_claim_round_plans_generically_until_it_ends_however_it_ends(clean_db:
         assert raw is not None
 
         def mode() -> str:
-            return str(raw.execute("SHOW plan_cache_mode").fetchone()[0])  # type: ignore[index]
+            return str(raw.execute("SHOW plan_cache_mode").fetchone()[0])
 
         with store.claim_round(conn):
             assert mode() == "force_generic_plan"
