@@ -83,7 +83,7 @@ def run_generic(conn: Connection | PgConnection[Any], query: Query[T]) -> T:
     Postgres would otherwise make again at every run, because a generic plan's estimates
     (ten percent of the rows for a ``LIMIT`` it cannot see) cost more than a custom one's."""
     driver = raw(conn)
-    if not prepares(driver) or not driver.autocommit or driver in _GENERIC_NOW:
+    if not _sets_generic(driver):
         return run(driver, query)
     with driver.cursor(row_factory=namedtuple_row) as cur:
         with driver.pipeline():
@@ -100,6 +100,12 @@ _DEFAULT_PLANS = "RESET plan_cache_mode"
 _GENERIC_NOW: weakref.WeakSet[PgConnection[Any]] = weakref.WeakSet()
 
 
+def _sets_generic(driver: PgConnection[Any]) -> bool:
+    """Whether the plan setting is harvest's to make on ``driver`` now: it prepares, is in
+    autocommit, and is not inside a :func:`generic_plans` block already."""
+    return prepares(driver) and driver.autocommit and driver not in _GENERIC_NOW
+
+
 @contextlib.contextmanager
 def generic_plans(conn: Connection | PgConnection[Any]) -> Iterator[None]:
     """Within the block, every statement on ``conn`` (autocommit) plans generically, and
@@ -113,7 +119,7 @@ def generic_plans(conn: Connection | PgConnection[Any]) -> Iterator[None]:
     prepares nothing, or in a transaction). Should the block fail, the setting is reset all
     the same; should the reset itself fail, the connection is broken and its pool drops it."""
     driver = raw(conn)
-    if not prepares(driver) or not driver.autocommit or driver in _GENERIC_NOW:
+    if not _sets_generic(driver):
         yield
         return
     driver.execute(_GENERIC)

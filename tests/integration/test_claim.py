@@ -6,11 +6,12 @@ import multiprocessing as mp
 import queue
 import random
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from sqlalchemy import Engine, text
+from sqlalchemy import Connection, Engine, text
 
 from harvest import store
 from harvest.db import make_engine
@@ -54,6 +55,13 @@ def insert_due(engine: Engine, n: int) -> list[int]:
 def claim(engine: Engine, limit: int, ttl: float = 300) -> list[int]:
     with engine.begin() as conn:
         return [c.id for c in store.claim_due(conn, limit=limit, ttl=ttl)]
+
+
+def plan_cache_mode(conn: Connection) -> Callable[[], str]:
+    """What ``SHOW plan_cache_mode`` says on ``conn``'s driver connection, each time asked."""
+    raw = conn.connection.driver_connection
+    assert raw is not None
+    return lambda: str(raw.execute("SHOW plan_cache_mode").fetchone()[0])
 
 
 def claim_until_empty(engine: Engine, limit: int) -> list[int]:
@@ -265,12 +273,7 @@ def test_the_claims_generic_plan_setting_never_outlives_its_statement(clean_db: 
     insert_due(clean_db, 3)
     with clean_db.connect() as conn:
         conn.execution_options(isolation_level="AUTOCOMMIT")
-        raw = conn.connection.driver_connection
-        assert raw is not None
-
-        def mode() -> str:
-            return str(raw.execute("SHOW plan_cache_mode").fetchone()[0])  # type: ignore[index]
-
+        mode = plan_cache_mode(conn)
         assert mode() == "auto"
         assert len(store.claim_due(conn, limit=2, ttl=60)) == 2
         assert mode() == "auto"
@@ -323,12 +326,7 @@ def test_a_claim_round_plans_generically_until_it_ends_however_it_ends(clean_db:
     insert_due(clean_db, 5)
     with clean_db.connect() as conn:
         conn.execution_options(isolation_level="AUTOCOMMIT")
-        raw = conn.connection.driver_connection
-        assert raw is not None
-
-        def mode() -> str:
-            return str(raw.execute("SHOW plan_cache_mode").fetchone()[0])
-
+        mode = plan_cache_mode(conn)
         with store.claim_round(conn):
             assert mode() == "force_generic_plan"
             assert len(store.claim_due(conn, limit=2, ttl=60)) == 2
