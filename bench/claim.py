@@ -61,15 +61,19 @@ GUESS = {1: 3_000.0, 10: 15_000.0, 100: 50_000.0}  # rows/s, before the first me
 Result = tuple[int, int, float, bool]  # rows, claims, seconds, ran out of rows
 
 
-def dispatch_claim(conn: Any, settings: Any, limit: int) -> list[Any]:
-    """``store.claim_due`` called as harvest's dispatcher calls it (with its aging share, when
-    this version of harvest has one), without the dispatcher's in-flight count."""
+def dispatch_claim(conn: Any, settings: Any, limit: int, watch: Any = None) -> list[Any]:
+    """``store.claim_due`` called as harvest's dispatcher calls it (with its aging share and
+    the dispatcher's claim watch, when this version of harvest has them), without the
+    dispatcher's in-flight count."""
     from harvest import store
 
     kwargs: dict[str, Any] = {"limit": limit, "ttl": settings.dispatch_ttl}
+    accepts = inspect.signature(store.claim_due).parameters
     starve = getattr(settings, "starvation_after", None)
-    if starve and "starvation_after" in inspect.signature(store.claim_due).parameters:
+    if starve and "starvation_after" in accepts:
         kwargs["starvation_after"] = starve
+    if watch is not None and "watch" in accepts:
+        kwargs["watch"] = watch
     return list(store.claim_due(conn, **kwargs))
 
 
@@ -88,8 +92,12 @@ def harvest_claimer(ready: Callable[[], None], sa_url: str, batch: int, seconds:
         with engine.connect() as conn:
             conn.execution_options(isolation_level="AUTOCOMMIT")
             block = getattr(store, "claim_round", None)
+            make_watch = getattr(store, "ClaimWatch", None)
+            watch = make_watch() if make_watch else None
             with block(conn) if block else contextlib.nullcontext():
-                return _claims(ready, lambda: dispatch_claim(conn, settings, batch), batch, seconds)
+                return _claims(
+                    ready, lambda: dispatch_claim(conn, settings, batch, watch), batch, seconds
+                )
     finally:
         engine.dispose()
 

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import math
 import time
+import weakref
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -47,9 +48,10 @@ def dispatch(app: Harvest) -> DispatchReport:
     """Claim due jobs, commit, then publish them, until none are due or the in-flight window
     is full. Each claim (and each pool's budget) is shared round-robin by the tenants with due
     jobs (``settings.tenant_weights``), by priority within a tenant, except an aging share
-    (``settings.starvation_after``): see :func:`harvest.store.claim_due`. Commit comes first:
-    a crash between commit and publish leaves rows dispatched with no message, and rescue
-    re-queues them when their dispatch lease expires.
+    (``settings.starvation_after``; looked for at every claim while some are found, else once
+    a second: :class:`harvest.store.ClaimWatch`): see :func:`harvest.store.claim_due`. Commit
+    comes first: a crash between commit and publish leaves rows dispatched with no message,
+    and rescue re-queues them when their dispatch lease expires.
 
     One connection serves the whole call, in autocommit: every claim is one statement (atomic
     on its own, committed when it returns), so a round costs two round trips (the in-flight
@@ -72,6 +74,7 @@ def _rounds(
 ) -> tuple[int, int, int]:
     """The rounds of one dispatch call: (jobs claimed, messages sent, rounds)."""
     settings = app.settings
+    watch = _WATCHES.setdefault(app, store.ClaimWatch())
     claimed_total = messages = rounds = 0
     while rounds < MAX_ROUNDS and time.monotonic() - started < MAX_SECONDS:
         rounds += 1
@@ -88,6 +91,7 @@ def _rounds(
             budgets=budgets,
             starvation_after=settings.starvation_after or None,
             weights=settings.tenant_weights,
+            watch=watch,
         )
         if not claimed:
             if not looking.on(full=full, inflight=inflight):
@@ -98,6 +102,12 @@ def _rounds(
         messages += _publish(app, conn, claimed, consumers=room.consumers)
         claimed_total += len(claimed)
     return claimed_total, messages, rounds
+
+
+# Each app's claim watch (store.ClaimWatch): its claims look for starving jobs at every claim
+# only while some are found, else once a second, and take the plain claim while no other
+# tenant than '' has pending jobs.
+_WATCHES: weakref.WeakKeyDictionary[Harvest, store.ClaimWatch] = weakref.WeakKeyDictionary()
 
 
 @dataclass

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from harvest.jobs import Job  # the value store reads return (store.Job in annotations)
 from harvest.store.claim import (
+    ClaimWatch,
     aging_share,
     claim_due,
     claim_round,
@@ -114,6 +115,7 @@ __all__ = [
     "QUARANTINED",
     "READABLE_FROM",
     "READABLE_TO",
+    "ClaimWatch",
     "Job",
     "NewBatch",
     "NewJob",

@@ -287,7 +287,7 @@ def test_the_claims_generic_plan_setting_never_outlives_its_statement(clean_db: 
 @pytest.mark.parametrize("backlog", [3_000, 19_358])
 def test_the_claim_never_reads_the_whole_jobs_table(clean_db: Engine, backlog: int) -> None:
     """The plans the dispatcher's claims run with (generic: one for every batch) read the rows
-    they take by an index, with or without budgets, whatever the backlog's size. At these two
+    they take by an index, each of the three claims, whatever the backlog's size. At these two
     sizes the plan once hash-joined the chosen rows to a sequential scan of the whole table:
     a claim of one row took 2.6 ms instead of 1.0."""
     insert_due(clean_db, backlog)
@@ -295,19 +295,25 @@ def test_the_claim_never_reads_the_whole_jobs_table(clean_db: Engine, backlog: i
         conn.execution_options(isolation_level="AUTOCOMMIT")
         conn.execute(text("VACUUM ANALYZE harvest_jobs"))
         claimed = 0
-        for budgets in (None, {"a-pool": 5}):
+        # The one-tenant claim (no tenants, no aging look, no budgets), the tenants' claim
+        # (looking for starving jobs) and the one with budgets.
+        for budgets, starve in ((None, None), (None, 300.0), ({"a-pool": 5}, None)):
             for limit in (1, 10, 100):
-                claimed += len(store.claim_due(conn, limit=limit, ttl=60, budgets=budgets))
-        assert claimed == 2 * (1 + 10 + 100)  # the jobs have no key pool: no budget holds them
+                claimed += len(
+                    store.claim_due(
+                        conn, limit=limit, ttl=60, budgets=budgets, starvation_after=starve
+                    )
+                )
+        assert claimed == 3 * (1 + 10 + 100)  # the jobs have no key pool: no budget holds them
         # The claims' own prepared statements, explained as they run (parameters do not
         # shape a generic plan: NULLs stand in for them).
         raw = conn.connection.driver_connection
         assert raw is not None
         prepared = raw.execute(
             "SELECT name, parameter_types FROM pg_prepared_statements "
-            "WHERE statement LIKE '%%WITH RECURSIVE%%'"
+            "WHERE statement LIKE '%%FOR UPDATE SKIP LOCKED%%'"
         ).fetchall()
-        assert len(prepared) == 2  # the claim with budgets and the one without
+        assert len(prepared) == 3
         plans = []
         with raw.transaction():
             raw.execute("SET LOCAL plan_cache_mode = force_generic_plan")

@@ -4,6 +4,8 @@ with a higher priority."""
 
 from __future__ import annotations
 
+import time
+
 import redis
 from sqlalchemy import Engine, text
 
@@ -56,6 +58,35 @@ def test_aging_share_claims_every_starving_job_within_a_bound(clean_db: Engine) 
     assert not fresh_low & set(taken)
     # Without starving jobs the claim is by priority alone.
     assert set(claim(clean_db, 20, starvation_after=300)) <= high
+
+
+def test_with_the_dispatchers_watch_a_claim_looks_for_starving_jobs_only_when_it_should(
+    clean_db: Engine,
+) -> None:
+    """The dispatcher's watch (store.ClaimWatch): after a look that found no starving job the
+    claims do not look for `every` seconds; once one looks and finds some, every claim takes
+    their share until none are left."""
+    watch = store.ClaimWatch(every=2.0)
+    high = set(add(clean_db, 200, priority=10, age=1))
+    low = add(clean_db, 3, priority=-10, age=5)  # not starving yet
+
+    def claim_watched() -> list[int]:
+        return claim(clean_db, 10, starvation_after=300, watch=watch)
+
+    assert set(claim_watched()) <= high  # looked: none starving
+    with clean_db.begin() as conn:  # now they starve
+        conn.execute(
+            text(
+                "UPDATE harvest_jobs SET run_at = run_at - interval '10 min' WHERE id = ANY(:ids)"
+            ),
+            {"ids": low},
+        )
+    assert set(claim_watched()) <= high  # within the watch's two seconds: no look
+    time.sleep(2.0)
+    rounds = [claim_watched() for _ in range(4)]
+    assert [r[0] for r in rounds[:3]] == low  # one of ten each claim, oldest first
+    assert all(len(r) == 10 for r in rounds) and set(rounds[3]) <= high
+    assert not any(set(r[1:]) - high for r in rounds[:3])
 
 
 def test_aging_respects_pool_budgets(clean_db: Engine) -> None:

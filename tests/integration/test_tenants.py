@@ -384,3 +384,21 @@ def test_small_tenant_starts_within_the_bound_and_the_deep_one_keeps_its_share(
     # with A alone.
     remaining = capacity * (ended - enqueued) - len(b)
     assert len(a) >= 0.9 * remaining, (len(a), remaining, capacity, b_done)
+
+
+def test_a_tenant_is_shared_from_its_first_due_job_on_while_one_tenant_took_the_plain_claim(
+    clean_db: Engine,
+) -> None:
+    """With the dispatcher's watch, claims while every job is without a tenant are the plain
+    priority claim; a tenant whose jobs arrive then gets its share at the very next claim (the
+    plain claim checks for other tenants in its own statement), and at every claim after."""
+    watch = store.ClaimWatch()
+    plain = add(clean_db, 50, tenant=None)
+    assert claim(clean_db, 4, watch=watch) == plain[:4]
+    acme = add(clean_db, 50, tenant="acme", priority=-5)  # lower priority: still its turn
+    for _ in range(3):
+        got = claim(clean_db, 4, watch=watch)
+        assert Counter(tenants_of(clean_db, got)) == {None: 2, "acme": 2}
+    taken = set(claim(clean_db, 100, watch=watch))
+    assert len(taken) == 40 + 44  # the rest of both
+    assert set(acme) - taken == set(acme[:6])
