@@ -39,7 +39,8 @@ def in_flight_by_pool(conn: Connection, pools: Sequence[str]) -> dict[str, int]:
     return {r.pool: int(r.n) for r in rows}
 
 
-# The chosen rows are found again by their ids: ``j.id = ANY(...)`` gives the generic plan an
+# Every claim marks its chosen rows dispatched with this one UPDATE. The chosen rows are found
+# again by their ids: ``j.id = ANY(...)`` gives the generic plan an
 # index path whatever it guesses of ``chosen``. Without it, the generic plan guessed a hundred
 # rows chosen and, on a table of a few to twenty thousand rows, hash-joined them to a
 # sequential scan of the whole table (measured: 2.6 ms a claim of one row at 19,358 rows,
@@ -47,12 +48,13 @@ def in_flight_by_pool(conn: Connection, pools: Sequence[str]) -> dict[str, int]:
 # The rows come back in claim order, sorted by Postgres: the aged share first (oldest first:
 # its turn is 0 and its priority left out), then by turn, priority, run_at. Sorting them in
 # Python, from rows carrying the sort keys, was 1.2 us a row (a sixth of a claim of 100).
-_CLAIM_UPDATE = """
-    , claimed AS (
+_DISPATCH_CHOSEN = """
         UPDATE harvest_jobs AS j
         SET status = 'dispatched', lease_token = gen_random_uuid(), dispatched_at = now(),
             lease_expires_at = now() + make_interval(secs => :ttl)
-        FROM chosen WHERE j.id = chosen.id AND j.id = ANY(ARRAY(SELECT id FROM chosen))
+        FROM chosen WHERE j.id = chosen.id AND j.id = ANY(ARRAY(SELECT id FROM chosen))"""
+_CLAIM_UPDATE = f"""
+    , claimed AS ({_DISPATCH_CHOSEN}
         RETURNING j.id, j.lease_token, j.queue, j.name, j.priority, j.run_at, chosen.aged,
                   chosen.turn
     )
@@ -213,11 +215,7 @@ _ONE_TENANT = statements.psycopg_style(
         ORDER BY priority DESC, run_at, id
         LIMIT :limit
         FOR UPDATE SKIP LOCKED
-    ), claimed AS (
-        UPDATE harvest_jobs AS j
-        SET status = 'dispatched', lease_token = gen_random_uuid(), dispatched_at = now(),
-            lease_expires_at = now() + make_interval(secs => :ttl)
-        FROM chosen WHERE j.id = chosen.id AND j.id = ANY(ARRAY(SELECT id FROM chosen))
+    ), claimed AS ({_DISPATCH_CHOSEN}
         RETURNING j.id, j.lease_token, j.queue, j.name, j.priority, j.run_at
     )
     (SELECT id, lease_token, queue, name, false AS aged, false AS others FROM claimed
@@ -321,7 +319,6 @@ def claim_due(
     # The plan's shape does not depend on the values: every scan walks an index in order.
     starve = starvation_after if starvation_after is not None and starvation_after > 0 else 0.0
     looks = bool(starve) and (watch is None or watch.looks())
-    rows: list[Any] = []
     if not budgets and not looks and (watch is None or not watch.tenants()):
         one = statements.Query(_ONE_TENANT, {"limit": limit, "ttl": ttl}, list)
         rows = statements.run_generic(conn, one)
