@@ -75,6 +75,7 @@ def _rounds(
     """The rounds of one dispatch call: (jobs claimed, messages sent, rounds)."""
     settings = app.settings
     watch = _WATCHES.setdefault(app, store.ClaimWatch())
+    stats = _STATS.setdefault(app, store.StatsWatch())
     claimed_total = messages = rounds = 0
     while rounds < MAX_ROUNDS and time.monotonic() - started < MAX_SECONDS:
         rounds += 1
@@ -99,6 +100,7 @@ def _rounds(
             time.sleep(LINGER_POLL)
             continue
         looking = _Looking(app)
+        _check_statistics(stats, conn, limit, len(claimed))
         messages += _publish(app, conn, claimed, consumers=room.consumers)
         claimed_total += len(claimed)
     return claimed_total, messages, rounds
@@ -108,6 +110,25 @@ def _rounds(
 # only while some are found, else once a second, and take the plain claim while no other
 # tenant than '' has pending jobs.
 _WATCHES: weakref.WeakKeyDictionary[Harvest, store.ClaimWatch] = weakref.WeakKeyDictionary()
+# Each app's watch of the planner's statistics (store.StatsWatch): made afresh when a full
+# claim shows them stale, rather than claims sorting every pending row until autovacuum.
+_STATS: weakref.WeakKeyDictionary[Harvest, store.StatsWatch] = weakref.WeakKeyDictionary()
+
+
+def _check_statistics(stats: store.StatsWatch, conn: Connection, limit: int, got: int) -> None:
+    try:
+        analyzed = stats.claimed(conn, limit, got)
+    except Exception as exc:  # the claim stands; its plan stays as it was
+        log.warning("statistics of harvest_jobs not checked (%s)", type(exc).__name__)
+        return
+    if analyzed is not None:
+        log.info(
+            "statistics of harvest_jobs were stale (the planner expected %d pending jobs; a "
+            "claim took %d): analyzed in %.0f ms",
+            analyzed.planned,
+            analyzed.claimed,
+            analyzed.seconds * 1000,
+        )
 
 
 @dataclass

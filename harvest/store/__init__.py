@@ -19,12 +19,15 @@ from __future__ import annotations
 
 from harvest.jobs import Job  # the value store reads return (store.Job in annotations)
 from harvest.store.claim import (
+    Analyzed,
     ClaimWatch,
+    StatsWatch,
     aging_share,
     claim_due,
     claim_round,
     in_flight_by_pool,
     inflight,
+    planned_pending,
     recent_run_seconds,
 )
 from harvest.store.ending import (
@@ -115,12 +118,14 @@ __all__ = [
     "QUARANTINED",
     "READABLE_FROM",
     "READABLE_TO",
+    "Analyzed",
     "ClaimWatch",
     "Job",
     "NewBatch",
     "NewJob",
     "Quarantined",
     "Rescued",
+    "StatsWatch",
     "Toggled",
     "Window",
     "advance_schedule",
@@ -167,6 +172,7 @@ __all__ = [
     "pause_queue",
     "paused_queues",
     "pending_depth",
+    "planned_pending",
     "prune",
     "quarantine",
     "quarantine_pending",

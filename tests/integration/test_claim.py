@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import queue
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
+import redis
 from sqlalchemy import Connection, Engine, text
 
-from harvest import store
+from harvest import dispatcher, store
+from harvest.app import Harvest
 from harvest.db import make_engine
 from harvest.models import JobStatus
 from harvest.settings import Settings
+from tests.helpers import RecordingBroker
 
 PRELOAD = ["sqlalchemy", "psycopg", "harvest.db", "harvest.store", __name__]
 
@@ -346,3 +350,74 @@ def test_a_claim_round_plans_generically_until_it_ends_however_it_ends(clean_db:
             raise RuntimeError("failed in the block")
         assert mode() == "auto"
         assert len(store.claim_due(conn, limit=5, ttl=60)) == 1  # the connection still works
+
+
+@pytest.fixture
+def no_autovacuum(clean_db: Engine) -> Iterator[Engine]:
+    """harvest_jobs without autovacuum for the test: its statistics change only when the test
+    (or harvest) analyzes the table."""
+    with clean_db.begin() as conn:
+        conn.execute(text("ALTER TABLE harvest_jobs SET (autovacuum_enabled = false)"))
+    yield clean_db
+    with clean_db.begin() as conn:
+        conn.execute(text("ALTER TABLE harvest_jobs RESET (autovacuum_enabled)"))
+
+
+def analyze(engine: Engine) -> None:
+    with engine.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT")
+        conn.exec_driver_sql("ANALYZE harvest_jobs")
+
+
+def planned(engine: Engine) -> int:
+    with engine.connect() as conn:
+        return store.planned_pending(conn)
+
+
+def dispatch_once(settings: Settings, redis_client: redis.Redis) -> int:
+    app = Harvest(settings, broker=RecordingBroker(settings), redis_client=redis_client)
+    return dispatcher.dispatch(app).claimed
+
+
+def test_a_burst_after_a_quiet_spell_gets_the_jobs_table_analyzed_by_the_dispatcher(
+    migrated: Settings,
+    no_autovacuum: Engine,
+    redis_client: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Statistics made while every job had finished say a claim finds about one row: the
+    planner then sorts the whole backlog at every claim until autovacuum comes by (up to a
+    minute). The dispatcher's first full claim shows it, and it analyzes the table there and
+    then, once."""
+    with no_autovacuum.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO harvest_jobs (name, status) "
+                "SELECT 'noop', 'succeeded' FROM generate_series(1, 3000)"
+            )
+        )
+    analyze(no_autovacuum)
+    insert_due(no_autovacuum, 3000)
+    assert planned(no_autovacuum) < 10  # what the planner believes: nothing pending
+    settings = migrated.model_copy(update={"claim_batch_size": 50, "inflight_window": 100})
+    with caplog.at_level(logging.INFO, logger="harvest.dispatcher"):
+        assert dispatch_once(settings, redis_client) == 100
+    assert planned(no_autovacuum) > 2000  # 2,900 left
+    stale = [r.getMessage() for r in caplog.records if "were stale" in r.getMessage()]
+    assert (
+        stale == [stale[0]] and "the planner expected 1 pending jobs; a claim took 50" in stale[0]
+    )
+
+
+def test_the_dispatcher_leaves_statistics_that_describe_the_backlog_alone(
+    migrated: Settings,
+    no_autovacuum: Engine,
+    redis_client: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    insert_due(no_autovacuum, 3000)
+    analyze(no_autovacuum)
+    settings = migrated.model_copy(update={"claim_batch_size": 50, "inflight_window": 100})
+    with caplog.at_level(logging.INFO, logger="harvest.dispatcher"):
+        assert dispatch_once(settings, redis_client) == 100
+    assert not [r for r in caplog.records if "statistics" in r.getMessage()]
