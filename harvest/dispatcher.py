@@ -124,10 +124,11 @@ def _check_statistics(stats: store.StatsWatch, conn: Connection, limit: int, got
     if analyzed is not None:
         log.info(
             "statistics of harvest_jobs were stale (the planner expected %d pending jobs; a "
-            "claim took %d): analyzed in %.0f ms",
+            "claim took %d): analyzed in %.0f ms; it expects %d now",
             analyzed.planned,
             analyzed.claimed,
             analyzed.seconds * 1000,
+            analyzed.after,
         )
 
 

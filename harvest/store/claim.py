@@ -293,6 +293,7 @@ class Analyzed:
     planned: int  # pending jobs the planner expected before
     claimed: int  # rows the claim that showed it took
     seconds: float  # the ANALYZE's time
+    after: int  # pending jobs it expects now (unchanged: the ANALYZE was skipped)
 
 
 class StatsWatch:
@@ -306,7 +307,9 @@ class StatsWatch:
     43 ms a claim of 100 against 4 at 20,000 pending jobs, until autovacuum analyzes the table
     (its launcher looks once a minute). A claim that takes ``limit`` rows while the planner
     expects fewer than ``limit`` pending shows it: the watch then runs ``ANALYZE`` at once
-    (a sample of the table; every connection's cached plans of it are made again). It asks
+    (a sample of the table; every connection's cached plans of it are made again; Postgres
+    skips it, with a warning, while another ANALYZE holds the table or when harvest's role
+    does not own it: the figure after then shows no change). It asks
     the planner at most every ``check_every`` seconds and analyzes at most every
     ``analyze_every``."""
 
@@ -332,7 +335,8 @@ class StatsWatch:
         self._analyze_at = now + self.analyze_every
         started = time.perf_counter()
         conn.exec_driver_sql(_ANALYZE)
-        return Analyzed(planned, got, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        return Analyzed(planned, got, seconds, planned_pending(conn))
 
 
 def claim_round(conn: Connection) -> contextlib.AbstractContextManager[None]:

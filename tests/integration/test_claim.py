@@ -404,9 +404,9 @@ def test_a_burst_after_a_quiet_spell_gets_the_jobs_table_analyzed_by_the_dispatc
         assert dispatch_once(settings, redis_client) == 100
     assert planned(no_autovacuum) > 2000  # 2,900 left
     stale = [r.getMessage() for r in caplog.records if "were stale" in r.getMessage()]
-    assert (
-        stale == [stale[0]] and "the planner expected 1 pending jobs; a claim took 50" in stale[0]
-    )
+    assert len(stale) == 1
+    assert "the planner expected 1 pending jobs; a claim took 50" in stale[0]
+    assert int(stale[0].rsplit("expects ", 1)[1].split()[0]) > 2000
 
 
 def test_the_dispatcher_leaves_statistics_that_describe_the_backlog_alone(
