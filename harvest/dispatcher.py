@@ -100,7 +100,7 @@ def _rounds(
             time.sleep(LINGER_POLL)
             continue
         looking = _Looking(app)
-        _check_statistics(stats, conn, limit, len(claimed))
+        _check_statistics(stats, conn, len(claimed))
         messages += _publish(app, conn, claimed, consumers=room.consumers)
         claimed_total += len(claimed)
     return claimed_total, messages, rounds
@@ -115,18 +115,20 @@ _WATCHES: weakref.WeakKeyDictionary[Harvest, store.ClaimWatch] = weakref.WeakKey
 _STATS: weakref.WeakKeyDictionary[Harvest, store.StatsWatch] = weakref.WeakKeyDictionary()
 
 
-def _check_statistics(stats: store.StatsWatch, conn: Connection, limit: int, got: int) -> None:
+def _check_statistics(stats: store.StatsWatch, conn: Connection, got: int) -> None:
     try:
-        analyzed = stats.claimed(conn, limit, got)
+        analyzed = stats.claimed(conn, got)
     except Exception as exc:  # the claim stands; its plan stays as it was
         log.warning("statistics of harvest_jobs not checked (%s)", type(exc).__name__)
         return
     if analyzed is not None:
         log.info(
-            "statistics of harvest_jobs were stale (the planner expected %d pending jobs; a "
-            "claim took %d): analyzed in %.0f ms; it expects %d now",
+            "statistics of harvest_jobs were stale (the planner expected %d pending jobs, "
+            "there are %s): analyzed in %.0f ms; it expects %d now",
             analyzed.planned,
-            analyzed.claimed,
+            f"{analyzed.pending} or more"
+            if analyzed.pending >= store.StatsWatch.COUNT_UP_TO
+            else analyzed.pending,
             analyzed.seconds * 1000,
             analyzed.after,
         )

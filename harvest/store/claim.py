@@ -273,9 +273,13 @@ class ClaimWatch:
 
 
 # What the planner believes of the pending jobs: the rows it expects for the predicate every
-# claim index shares. And the statistics made afresh, unless another ANALYZE (autovacuum's)
-# holds the table, which then makes them itself.
+# claim index shares; how many there are, counted up to a bound (one index walk of at most that
+# many entries); and the statistics made afresh, unless another ANALYZE (autovacuum's) holds
+# the table, which then makes them itself.
 _PLANNED_PENDING = "EXPLAIN (FORMAT JSON) SELECT 1 FROM harvest_jobs WHERE status = 'pending'"
+_COUNT_PENDING = (
+    "SELECT count(*) FROM (SELECT 1 FROM harvest_jobs WHERE status = 'pending' LIMIT %(most)s) p"
+)
 _ANALYZE = "ANALYZE (SKIP_LOCKED) harvest_jobs"
 
 
@@ -291,30 +295,34 @@ class Analyzed:
     """A :class:`StatsWatch` found the statistics stale and made them afresh."""
 
     planned: int  # pending jobs the planner expected before
-    claimed: int  # rows the claim that showed it took
+    pending: int  # pending jobs there were, counted up to StatsWatch.COUNT_UP_TO
     seconds: float  # the ANALYZE's time
     after: int  # pending jobs it expects now (unchanged: the ANALYZE was skipped)
 
 
 class StatsWatch:
     """Whether the planner's statistics of ``harvest_jobs`` still describe its pending jobs,
-    checked after claims that came back full. One for each dispatching app.
+    checked after claims. One for each dispatching app.
 
     The claim's plan depends on them. Statistics made while the table held no pending job
     (every job finished, then ANALYZE) say a claim finds about one row; after a burst of
     enqueued jobs the planner then reads every pending row through any index of them and sorts
     them all for each claim, instead of walking the claim's index for ``limit`` rows: measured,
     43 ms a claim of 100 against 4 at 20,000 pending jobs, until autovacuum analyzes the table
-    (its launcher looks once a minute). A claim that takes ``limit`` rows while the planner
-    expects fewer than ``limit`` pending shows it: the watch then runs ``ANALYZE`` at once
-    (a sample of the table; every connection's cached plans of it are made again; Postgres
-    skips it, with a warning, while another ANALYZE holds the table or when harvest's role
-    does not own it: the figure after then shows no change). It asks
-    the planner at most every ``check_every`` seconds and analyzes at most every
-    ``analyze_every``."""
+    (its launcher looks once a minute). After a claim that took rows, at most every
+    ``check_every`` seconds, the watch asks the planner what it expects; below
+    ``COUNT_UP_TO / STALE_RATIO`` it counts the pending jobs up to ``COUNT_UP_TO``, and when
+    there are more than ``STALE_RATIO`` times what the planner expects, runs ``ANALYZE`` at once
+    (at most every ``analyze_every`` seconds): a sample of the table, after which every
+    connection's cached plans of it are made again. Postgres skips it, with a warning, while
+    another ANALYZE holds the table or when harvest's role does not own it: the figure after
+    then shows no change. Jobs claimed as fast as they come leave few pending at the check, and
+    no ANALYZE."""
 
     CHECK_EVERY = 1.0
     ANALYZE_EVERY = 10.0
+    COUNT_UP_TO = 1000
+    STALE_RATIO = 10
 
     def __init__(
         self, check_every: float = CHECK_EVERY, analyze_every: float = ANALYZE_EVERY
@@ -323,20 +331,24 @@ class StatsWatch:
         self._check_at = 0.0  # monotonic
         self._analyze_at = 0.0
 
-    def claimed(self, conn: Connection, limit: int, got: int) -> Analyzed | None:
-        """After a claim of ``limit`` that took ``got`` rows: analyze if it is due."""
+    def claimed(self, conn: Connection, got: int) -> Analyzed | None:
+        """After a claim that took ``got`` rows: analyze if it is due."""
         now = time.monotonic()
-        if limit <= 0 or got < limit or now < self._check_at:
+        if got <= 0 or now < self._check_at:
             return None
         self._check_at = now + self.check_every
         planned = planned_pending(conn)
-        if planned >= limit or now < self._analyze_at:
+        if planned * self.STALE_RATIO >= self.COUNT_UP_TO or now < self._analyze_at:
+            return None
+        most = {"most": self.COUNT_UP_TO}
+        pending = int(conn.exec_driver_sql(_COUNT_PENDING, most).scalar_one())
+        if pending <= planned * self.STALE_RATIO:
             return None
         self._analyze_at = now + self.analyze_every
         started = time.perf_counter()
         conn.exec_driver_sql(_ANALYZE)
         seconds = time.perf_counter() - started
-        return Analyzed(planned, got, seconds, planned_pending(conn))
+        return Analyzed(planned, pending, seconds, planned_pending(conn))
 
 
 def claim_round(conn: Connection) -> contextlib.AbstractContextManager[None]:
