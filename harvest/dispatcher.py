@@ -110,8 +110,9 @@ def _rounds(
 # only while some are found, else once a second, and take the plain claim while no other
 # tenant than '' has pending jobs.
 _WATCHES: weakref.WeakKeyDictionary[Harvest, store.ClaimWatch] = weakref.WeakKeyDictionary()
-# Each app's watch of the planner's statistics (store.StatsWatch): made afresh when a full
-# claim shows them stale, rather than claims sorting every pending row until autovacuum.
+# Each app's watch of the planner's statistics (store.StatsWatch): made afresh when the
+# pending jobs outnumber its figure tenfold, rather than claims sorting every pending row
+# until autovacuum comes by.
 _STATS: weakref.WeakKeyDictionary[Harvest, store.StatsWatch] = weakref.WeakKeyDictionary()
 
 

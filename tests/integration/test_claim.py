@@ -369,6 +369,18 @@ def analyze(engine: Engine) -> None:
         conn.exec_driver_sql("ANALYZE harvest_jobs")
 
 
+def quiet_spell(engine: Engine) -> None:
+    """The table as after a quiet spell: 3,000 jobs, every one finished, and analyzed so."""
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO harvest_jobs (name, status) "
+                "SELECT 'noop', 'succeeded' FROM generate_series(1, 3000)"
+            )
+        )
+    analyze(engine)
+
+
 def planned(engine: Engine) -> int:
     with engine.connect() as conn:
         return store.planned_pending(conn)
@@ -376,7 +388,10 @@ def planned(engine: Engine) -> int:
 
 def dispatch_once(settings: Settings, redis_client: redis.Redis) -> int:
     app = Harvest(settings, broker=RecordingBroker(settings), redis_client=redis_client)
-    return dispatcher.dispatch(app).claimed
+    try:
+        return dispatcher.dispatch(app).claimed
+    finally:
+        app.close()
 
 
 def test_a_burst_after_a_quiet_spell_gets_the_jobs_table_analyzed_by_the_dispatcher(
@@ -389,14 +404,7 @@ def test_a_burst_after_a_quiet_spell_gets_the_jobs_table_analyzed_by_the_dispatc
     planner then sorts the whole backlog at every claim until autovacuum comes by (up to a
     minute). The dispatcher sees it after its first claim and analyzes the table there and
     then, once."""
-    with no_autovacuum.begin() as conn:
-        conn.execute(
-            text(
-                "INSERT INTO harvest_jobs (name, status) "
-                "SELECT 'noop', 'succeeded' FROM generate_series(1, 3000)"
-            )
-        )
-    analyze(no_autovacuum)
+    quiet_spell(no_autovacuum)
     insert_due(no_autovacuum, 3000)
     assert planned(no_autovacuum) < 10  # what the planner believes: nothing pending
     settings = migrated.model_copy(update={"claim_batch_size": 50, "inflight_window": 100})
@@ -431,14 +439,7 @@ def test_jobs_claimed_as_fast_as_they_come_leave_the_statistics_alone(
 ) -> None:
     """The statistics say nothing is pending and the claim takes every job there is: they are
     right again, and no ANALYZE is made (one made then would see none pending either)."""
-    with no_autovacuum.begin() as conn:
-        conn.execute(
-            text(
-                "INSERT INTO harvest_jobs (name, status) "
-                "SELECT 'noop', 'succeeded' FROM generate_series(1, 3000)"
-            )
-        )
-    analyze(no_autovacuum)
+    quiet_spell(no_autovacuum)
     insert_due(no_autovacuum, 30)
     settings = migrated.model_copy(update={"claim_batch_size": 50, "inflight_window": 100})
     with caplog.at_level(logging.INFO, logger="harvest.dispatcher"):
