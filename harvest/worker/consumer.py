@@ -1,4 +1,4 @@
-"""Celery's worker consumer with one guard, for the reconnect of Celery 5.7.
+"""Celery's worker consumer with two guards, for the reconnect of Celery 5.7 on Redis.
 
 When the broker connection is lost, Celery 5.7's consumer collects the connection and then
 closes it (``Consumer.on_connection_error_after_connected``) before it reconnects. With the
@@ -13,6 +13,17 @@ The connection being closed is thrown away either way, and its unacked messages 
 through the broker's visibility timeout (or were lost with a Redis that kept no data, which
 harvest's rescue from Postgres covers). So here that close may fail: the failure is logged
 and the consumer goes on to reconnect, as it does when the close succeeds.
+
+When that close failed, the lost connection's channel never got the Redis client it settles
+messages with, and the cleared client is all it has: a task that was running when the
+connection was lost and ends after the reconnect sends its acknowledgement (``acks_late``; or
+its rejection, when its process died) to that channel, which raises the same
+``AttributeError`` on the consumer's event loop, outside ``ack_log_error``'s handling of
+connection errors, and the worker exits (F4 once more, with the close guarded; with RabbitMQ
+the channel raises a connection error, which kombu logs). That message cannot be settled any
+more: the broker hands it out again after its visibility timeout, or lost it with a Redis that
+kept nothing, and the job's row in Postgres decides whether anything runs again (a finished
+job's redelivery is suppressed as a duplicate). So such a settlement is logged and dropped.
 """
 
 from __future__ import annotations
@@ -47,8 +58,43 @@ def closing_may_fail(close: Callable[[], Any]) -> Callable[[], Any]:
     return guarded
 
 
+def _lost(message: Any) -> bool:
+    """Whether ``message`` came on a broker connection that has since been closed (kombu clears
+    the transport's client when it closes or collects a connection)."""
+    transport = getattr(getattr(message, "channel", None), "connection", None)
+    return transport is not None and getattr(transport, "client", True) is None
+
+
+def settling_may_fail(settle: Callable[..., Any]) -> Callable[..., Any]:
+    """``message.ack_log_error`` (or ``reject_log_error``), where a message of a lost broker
+    connection is logged as unsettled instead of raising ``AttributeError``."""
+    message = getattr(settle, "__self__", None)
+
+    @functools.wraps(settle)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return settle(*args, **kwargs)
+        except AttributeError as exc:
+            if not _lost(message):
+                raise
+            log.warning(
+                "message %s came on a broker connection that has since been lost, so it "
+                "cannot be settled (%s); the broker hands it out again after its visibility "
+                "timeout, and its job's row in Postgres decides whether anything runs again",
+                getattr(message, "delivery_tag", "?"),
+                type(exc).__name__,
+            )
+            return None
+
+    return guarded
+
+
 class Consumer(CeleryConsumer):  # type: ignore[misc]
-    """Celery's consumer; a lost connection's close may fail (module docstring)."""
+    """Celery's consumer; a lost connection's close, and the settling of its messages, may
+    fail (module docstring)."""
+
+    def call_soon_ack(self, p: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return super().call_soon_ack(settling_may_fail(p), *args, **kwargs)
 
     def on_connection_error_after_connected(self, exc: BaseException) -> None:
         connection = self.connection
