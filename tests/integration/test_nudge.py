@@ -32,11 +32,11 @@ def counting_app(migrated: Settings, clean_db: Engine, redis_client: object) -> 
 
 
 @pytest.mark.slow
-def test_a_burst_of_ten_thousand_enqueues_sends_a_handful_of_nudges(counting_app: Harvest) -> None:
+def test_a_burst_of_two_thousand_enqueues_sends_a_handful_of_nudges(counting_app: Harvest) -> None:
     started = time.monotonic()
 
     def burst() -> None:
-        for i in range(2500):
+        for i in range(500):
             counting_app.enqueue("echo", {"value": i})
 
     threads = [threading.Thread(target=burst) for _ in range(4)]
@@ -48,7 +48,7 @@ def test_a_burst_of_ten_thousand_enqueues_sends_a_handful_of_nudges(counting_app
     nudges = counting_app.broker.nudges  # type: ignore[attr-defined]
     # At most one per coalescing window (1 s), plus the first.
     assert 1 <= nudges <= elapsed / (counting_app.settings.nudge_coalesce_ms / 1000) + 2
-    assert nudges < 100, f"{nudges} nudges for 10,000 enqueues in {elapsed:.1f}s"
+    assert nudges < 40, f"{nudges} nudges for 2,000 enqueues in {elapsed:.1f}s"
 
 
 def test_delayed_and_bulk_enqueues_nudge_sensibly(counting_app: Harvest) -> None:

@@ -44,7 +44,7 @@ def test_two_beats_two_schedule_workers_one_job_per_fire_time(
         beats = sorted(tmp_path.glob("beat-*.log"))
         started = time.monotonic()
         wait_until(lambda: sum(count(p, SENT) for p in beats) >= 5, 30, 0.2, "beat ticks")
-        time.sleep(max(0.0, started + 25 - time.monotonic()))
+        time.sleep(max(0.0, started + 12 - time.monotonic()))
 
         sends = [count(p, SENT) for p in beats]
         assert min(sends) == 0, sends  # one leader sends, the other stands by
@@ -54,7 +54,7 @@ def test_two_beats_two_schedule_workers_one_job_per_fire_time(
         time.sleep(4)
         os.killpg(leader.pid, signal.SIGCONT)
 
-        time.sleep(max(0.0, started + 60 - time.monotonic()))
+        time.sleep(max(0.0, started + 32 - time.monotonic()))
         stopped = client_app.pause_schedule("every-second")
         workers = sorted(tmp_path.glob("worker-schedule-*.log"))
         ran = [count(p, RAN) for p in workers]
@@ -82,7 +82,7 @@ def test_two_beats_two_schedule_workers_one_job_per_fire_time(
     times = [j.run_at for j in jobs]
     gaps = [(b - a).total_seconds() for a, b in itertools.pairwise(times)]
     assert set(gaps) == {1.0}, f"gaps in the fire times: {sorted(set(gaps))}"
-    assert len(times) >= 55, len(times)
+    assert len(times) >= 27, len(times)
     assert [f.fire_at for f in fires] == times
     assert all(f.run_at == f.fire_at for f in fires)
     assert {j.payload for j in jobs} == {'{"schedule": "every-second"}'}
