@@ -29,17 +29,17 @@ def test_a_delay_longer_than_the_visibility_timeout_runs_exactly_once(
 ) -> None:
     """Celery's ETA pain: a countdown longer than the Redis visibility timeout is redelivered
     again and again. Here the delay lives in Postgres: no message exists until the job is due."""
-    cluster.env["HARVEST_BROKER_VISIBILITY_TIMEOUT"] = "6"
+    cluster.env["HARVEST_BROKER_VISIBILITY_TIMEOUT"] = "3"
     cluster.up(execution=2)
-    ref = client_app.enqueue("effect", {}, delay=timedelta(seconds=14))
-    time.sleep(8)  # past the visibility timeout, before the job is due
+    ref = client_app.enqueue("effect", {}, delay=timedelta(seconds=7))
+    time.sleep(4)  # past the visibility timeout, before the job is due
     job = client_app.get(ref.id)
     assert job.status is JobStatus.PENDING and job.dispatched_at is None  # never published
     assert redis_client.llen("execution") == 0
     done = client_app.wait(ref.id, timeout=60)
     assert done.status is JobStatus.SUCCEEDED
     assert done.started_at is not None and done.started_at >= done.run_at
-    time.sleep(8)  # another visibility timeout: nothing comes back
+    time.sleep(4)  # another visibility timeout: nothing comes back
     executions = one(effects, "SELECT count(*) FROM test_effects WHERE job_id = :id", id=ref.id)
     assert executions[0] == 1
     assert client_app.get(ref.id).attempts == 1

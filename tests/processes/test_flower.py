@@ -147,7 +147,7 @@ def test_celery_inspect_shows_job_names(cluster: Cluster, client_app: Harvest) -
     def inspect(*what: str) -> dict[str, object]:
         out = subprocess.run(
             [sys.executable, "-m", "celery", "-A", cluster.app, "inspect", *what, "--json",
-             "-t", "5"],
+             "-t", "2"],
             check=False, cwd=cluster.cwd, env=cluster.env, capture_output=True, text=True,
             timeout=60,
         )  # fmt: skip
@@ -163,7 +163,7 @@ def test_celery_inspect_shows_job_names(cluster: Cluster, client_app: Harvest) -
 
     names = wait_until(registered, 60, interval=1.0, what="the execution worker's reply")
     assert {"echo", "always_fails", "sleepy", "harvest.execute"} <= set(names)
-    running = client_app.enqueue("sleepy", {"seconds": 20})
+    running = client_app.enqueue("sleepy", {"seconds": 10})
 
     def active() -> list[object] | None:
         for node, requests in inspect("active").items():
