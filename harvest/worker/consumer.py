@@ -67,10 +67,10 @@ def _lost(message: Any) -> bool:
 
 def settling_may_fail(settle: Callable[..., Any]) -> Callable[..., Any]:
     """``message.ack_log_error`` (or ``reject_log_error``), where a message of a lost broker
-    connection is logged as unsettled instead of raising ``AttributeError``."""
+    connection is logged as unsettled instead of raising ``AttributeError``. One per
+    acknowledgement: a plain closure (no ``functools.wraps``)."""
     message = getattr(settle, "__self__", None)
 
-    @functools.wraps(settle)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         try:
             return settle(*args, **kwargs)

@@ -24,7 +24,8 @@ def test_quick_benchmarks_run_every_subject(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     done = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--only", "enqueue,gate,scale",
-         "--history", "20000", "--out", str(out), "--admin-url", ADMIN_URL, "--redis-url", REDIS_BASE],
+         "--history", "20000", "--out", str(out), "--admin-url", ADMIN_URL,
+         "--redis-url", REDIS_BASE],
         cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     printed = done.stdout + done.stderr
