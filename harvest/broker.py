@@ -11,9 +11,11 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import redis
 from celery import Celery
 from kombu import Exchange, Queue  # type: ignore[attr-defined]
 
+from harvest.coordination import keys as rkeys
 from harvest.jobs import Claimed
 from harvest.redact import redact_url
 from harvest.settings import Settings
@@ -25,12 +27,13 @@ EXECUTION_QUEUE = "execution"
 DISPATCH_TASK = "harvest.dispatch"
 RESCUE_TASK = "harvest.rescue"
 EXECUTE_TASK = "harvest.execute"
+REDIS_SCHEMES = ("redis://", "rediss://", "redis+socket://")  # kombu's; the last is a socket
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Celery settings harvest relies on (see the README's "Guarantees")."""
     transport_options: dict[str, Any] = {"visibility_timeout": settings.visibility_timeout}
-    if settings.effective_broker_url.startswith(("redis://", "rediss://", "redis+socket://")):
+    if settings.effective_broker_url.startswith(REDIS_SCHEMES):
         # A connection cut by a partition (no FIN, no RST) must fail in seconds, not hang a
         # consumer until TCP gives up. socket_timeout bounds synchronous commands (publish,
         # ack); kombu drops a BRPOP whose reply is overdue by brpop_timeout (1 s) +
@@ -151,6 +154,21 @@ class Broker:
     def __init__(self, settings: Settings, celery: Celery | None = None) -> None:
         self.settings = settings
         self.celery = celery or make_celery(settings)
+        self._redis: redis.Redis | None = None
+
+    def marked_anew(self) -> bool:
+        """Mark a Redis broker as holding harvest's queues (``SET NX``, no expiry); True when
+        the mark was missing, so the broker holds none of the messages published before it
+        lost its data (a restart without persistence, a flush, a failover to an empty
+        replica), or harvest never published there. False for other brokers: RabbitMQ's
+        queues are durable."""
+        url = self.settings.effective_broker_url
+        if not url.startswith(REDIS_SCHEMES):
+            return False
+        if self._redis is None:
+            url = url.replace("redis+socket://", "unix://", 1)  # redis-py's name for a socket
+            self._redis = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        return bool(self._redis.set(rkeys.broker_mark(), b"1", nx=True))
 
     def publish_jobs(self, messages: Sequence[Sequence[Claimed]]) -> None:
         with self.celery.producer_or_acquire() as producer:
@@ -172,3 +190,5 @@ class Broker:
 
     def close(self) -> None:
         self.celery.close()
+        if self._redis is not None:
+            self._redis.close()

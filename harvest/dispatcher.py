@@ -35,6 +35,7 @@ LINGER_POLL = 0.02
 ROOM_LINGER = 0.1  # seconds a full window's in-flight count may stand still and be waited for
 MAX_ROUNDS = 200  # bounds one dispatch call; beat or the next nudge continues
 MAX_SECONDS = 2.0
+REQUEUE_BATCH = 1000
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,6 +60,7 @@ def dispatch(app: Harvest) -> DispatchReport:
     :func:`refill_at` slots are free: topping up a few freed slots at a time made messages of
     one or two jobs under a deep backlog, and the per-message cost is what Celery pays most."""
     started = time.monotonic()
+    _requeue_if_broker_lost(app)
     looking = _Looking(app)
     room = _WORKERS.capacity(app)
     with app.engine.connect() as conn:
@@ -67,6 +69,38 @@ def dispatch(app: Harvest) -> DispatchReport:
         with store.claim_round(conn):
             claimed_total, messages, rounds = _rounds(app, conn, looking, room, started)
     return DispatchReport(claimed_total, messages, rounds)
+
+
+def _requeue_if_broker_lost(app: Harvest) -> int:
+    """When the broker lost its messages (a Redis broker found without harvest's mark:
+    :meth:`~harvest.broker.Broker.marked_anew`), take every dispatched job back now, so the
+    claim that follows sends it again: not after ``HARVEST_DISPATCH_TTL`` (2 minutes by
+    default), by rescue. Checked before the claim, so no job of this call's own is taken back.
+    Only the process that sets the mark again takes them back; a job's message that survived
+    (in a worker's prefetch) finds its token gone at its hold, and is suppressed."""
+    try:
+        lost = app.broker.marked_anew()
+    except Exception:  # the broker is away: publishing will fail and say so
+        return 0
+    if not lost:
+        return 0
+    taken = 0
+    for _ in range(MAX_ROUNDS):
+        with app.engine.begin() as conn:
+            back = store.requeue_dispatched(conn, limit=REQUEUE_BATCH)
+            n = len(back.requeued) + len(back.cancelled)
+            store.bump(conn, RESCUED, n)
+        taken += n
+        if n < REQUEUE_BATCH:
+            break
+    if taken:
+        log.warning(
+            "the broker holds no mark of harvest's (a Redis restarted without persistence, "
+            "flushed, or failed over to an empty replica): its messages are gone, so %d "
+            "dispatched jobs were taken back to be sent again",
+            taken,
+        )
+    return taken
 
 
 def _rounds(

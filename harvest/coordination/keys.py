@@ -149,6 +149,13 @@ def nudge() -> str:
     return f"{PREFIX}nudge"
 
 
+def broker_mark() -> str:
+    """Marker, kept in the broker's own Redis db with no expiry, that the queues there are the
+    ones harvest published to: found missing (a Redis restarted without persistence, or
+    flushed), the messages of every dispatched job are gone (harvest.dispatcher.dispatch)."""
+    return f"{PREFIX}broker-mark"
+
+
 def rescue_ran() -> str:
     """``SET PX`` marker of the last rescue (``HARVEST_RESCUE_INTERVAL``): a dispatch tick that
     finds it gone runs one (harvest.dispatcher.rescue_if_due)."""

@@ -72,6 +72,7 @@ from harvest.store.leases import (
     finish,
     heartbeat,
     hold,
+    requeue_dispatched,
     rescue_expired,
     start,
 )
@@ -178,6 +179,7 @@ __all__ = [
     "quarantine_pending",
     "queue_figures",
     "recent_run_seconds",
+    "requeue_dispatched",
     "rescue_expired",
     "resume_queue",
     "retry_failed",

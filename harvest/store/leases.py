@@ -7,7 +7,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sqlalchemy import Connection, text
+from sqlalchemy import Connection, TextClause, text
 
 from harvest.execution import sql
 from harvest.jobs import Started
@@ -67,11 +67,12 @@ def defer(
 
 # --- rescue ---------------------------------------------------------------------------------
 
-_RESCUE = text(
-    """
+# Takes back the rows chosen by {chosen}: to pending (or cancelled when asked, or failed when a
+# running one has no attempt left), with no lease.
+_TAKE_BACK = """
     WITH expired AS (
         SELECT id FROM harvest_jobs
-        WHERE status IN ('dispatched', 'running') AND lease_expires_at < now()
+        WHERE {chosen}
         ORDER BY lease_expires_at
         LIMIT :limit
         FOR UPDATE SKIP LOCKED
@@ -92,7 +93,13 @@ _RESCUE = text(
     FROM expired WHERE j.id = expired.id
     RETURNING j.id, j.status
     """
+_RESCUE = text(
+    _TAKE_BACK.format(chosen="status IN ('dispatched', 'running') AND lease_expires_at < now()")
 )
+# Dispatched jobs whose messages the broker lost: none of them is held yet (a held job is
+# running), so each goes back whatever its dispatch lease says; a message of one that a worker
+# still holds in memory finds its token gone at its hold, and is suppressed.
+_REQUEUE_DISPATCHED = text(_TAKE_BACK.format(chosen="status = 'dispatched'"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,7 +114,18 @@ def rescue_expired(conn: Connection, *, limit: int) -> Rescued:
 
     A re-queued job keeps its ``run_at``: it was due long ago, so it is claimed ahead of the
     backlog that came after it (within its priority), not behind it."""
+    return _taken_back(conn, _RESCUE, limit)
+
+
+def requeue_dispatched(conn: Connection, *, limit: int) -> Rescued:
+    """Take back dispatched jobs at once, whatever their dispatch lease: the broker lost their
+    messages (:meth:`harvest.broker.Broker.marked_anew`). Each keeps its ``run_at``, as a
+    rescued job does."""
+    return _taken_back(conn, _REQUEUE_DISPATCHED, limit)
+
+
+def _taken_back(conn: Connection, statement: TextClause, limit: int) -> Rescued:
     by_status: dict[str, list[int]] = {"pending": [], "failed": [], "cancelled": []}
-    for r in conn.execute(_RESCUE, {"limit": limit}):
+    for r in conn.execute(statement, {"limit": limit}):
         by_status[r.status].append(r.id)
     return Rescued(by_status["pending"], by_status["failed"], by_status["cancelled"])

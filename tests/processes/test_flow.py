@@ -45,6 +45,31 @@ def test_a_delay_longer_than_the_visibility_timeout_runs_exactly_once(
     assert client_app.get(ref.id).attempts == 1
 
 
+def test_jobs_whose_messages_redis_lost_are_sent_again_at_once_and_run_once(
+    cluster: Cluster, client_app: Harvest, effects: Engine, redis_client: redis.Redis
+) -> None:
+    """A Redis broker restarted without persistence (here: flushed) takes the messages of the
+    dispatched jobs with it; the dispatcher finds harvest's mark gone and sends those jobs again
+    at once, not after HARVEST_DISPATCH_TTL (120 s here, as by default). Each runs once: a
+    message a worker had already fetched finds its token gone."""
+    cluster.env["HARVEST_DISPATCH_TTL"] = "120"
+    cluster.up(execution=1, concurrency=1)
+    ids = client_app.enqueue_many("effect", [{"seconds": 0.1}] * 60)
+    wait_until(lambda: redis_client.llen("execution") > 0, 60, 0.02, "messages in the broker")
+    redis_client.flushdb()
+    wait_until(
+        lambda: statuses(effects, ids).get("succeeded") == len(ids), 60, 0.5, "every job, at once"
+    )
+    runs = one(
+        effects,
+        "SELECT count(*), count(DISTINCT job_id) FROM test_effects WHERE job_id = ANY(:ids)",
+        ids=ids,
+    )
+    assert tuple(runs) == (60, 60)
+    logs = "".join(p.read_text() for p in cluster.log_dir.glob("worker-schedule*.log"))
+    assert "dispatched jobs were taken back to be sent again" in logs
+
+
 def test_ten_thousand_low_and_a_hundred_high_priority_jobs(
     cluster: Cluster, client_app: Harvest, engine: Engine
 ) -> None:
