@@ -10,7 +10,7 @@ import math
 import time
 import weakref
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -84,15 +84,8 @@ def _requeue_if_broker_lost(app: Harvest) -> int:
         return 0
     if not lost:
         return 0
-    taken = 0
-    for _ in range(MAX_ROUNDS):
-        with app.engine.begin() as conn:
-            back = store.requeue_dispatched(conn, limit=REQUEUE_BATCH)
-            n = len(back.requeued) + len(back.cancelled)
-            store.bump(conn, RESCUED, n)
-        taken += n
-        if n < REQUEUE_BATCH:
-            break
+    back = _take_back(app, store.requeue_dispatched, REQUEUE_BATCH)
+    taken = back.requeued + back.failed + back.cancelled
     if taken:
         log.warning(
             "the broker holds no mark of harvest's (a Redis restarted without persistence, "
@@ -436,26 +429,33 @@ def rescue(app: Harvest, *, batch: int = 500) -> RescueReport:
     with contextlib.suppress(Exception):  # Redis down: rescue needs Postgres only
         # Dispatch ticks run no other rescue for an interval (rescue_if_due).
         app.redis.set(rkeys.rescue_ran(), b"1", px=int(app.settings.rescue_interval * 1000))
-    requeued = failed = cancelled = 0
     with app.engine.begin() as conn:
         store.quarantine_pending(conn)
-    for _ in range(MAX_ROUNDS):
-        with app.engine.begin() as conn:
-            rescued = store.rescue_expired(conn, limit=batch)
-            n = len(rescued.requeued) + len(rescued.failed) + len(rescued.cancelled)
-            store.bump(conn, RESCUED, n)
-        requeued += len(rescued.requeued)
-        failed += len(rescued.failed)
-        cancelled += len(rescued.cancelled)
-        if n < batch:
-            break
-    if requeued or failed or cancelled:
+    report = _take_back(app, store.rescue_expired, batch)
+    if report.requeued or report.failed or report.cancelled:
         log.warning(
             "rescued expired leases: %d re-queued, %d failed, %d cancelled",
-            requeued,
-            failed,
-            cancelled,
+            report.requeued,
+            report.failed,
+            report.cancelled,
         )
-    if requeued:
+    if report.requeued:
         app.nudge()
+    return report
+
+
+def _take_back(app: Harvest, take: Callable[..., store.Rescued], batch: int) -> RescueReport:
+    """Jobs taken back by ``take`` (``store.rescue_expired`` or ``store.requeue_dispatched``),
+    ``batch`` rows a transaction until a batch comes back short, each counted as rescued."""
+    requeued = failed = cancelled = 0
+    for _ in range(MAX_ROUNDS):
+        with app.engine.begin() as conn:
+            back = take(conn, limit=batch)
+            n = len(back.requeued) + len(back.failed) + len(back.cancelled)
+            store.bump(conn, RESCUED, n)
+        requeued += len(back.requeued)
+        failed += len(back.failed)
+        cancelled += len(back.cancelled)
+        if n < batch:
+            break
     return RescueReport(requeued, failed, cancelled)
