@@ -76,7 +76,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         },
         "task_create_missing_queues": True,
         "worker_hijack_root_logger": False,
-        "worker_send_task_events": settings.task_events,
+        "worker_send_task_events": bool(settings.task_events),  # unset: -E decides
         "task_send_sent_event": False,
         "worker_cancel_long_running_tasks_on_connection_loss": False,
         "broker_channel_error_retry": True,

@@ -111,10 +111,11 @@ class Settings(BaseSettings):
     statement_timeout_ms: int = Field(default=30_000, ge=0)
     idle_in_transaction_timeout_ms: int = Field(default=60_000, ge=0)
     worker_concurrency: int = Field(default=2, ge=1)
-    task_events: bool = Field(
-        default=True,
-        description="Workers send Celery task events (Flower's live view). Off: no job "
-        "events at all (Flower's enable_events does not reach the execution children).",
+    task_events: bool | None = Field(
+        default=None,
+        description="Job attempts as Celery task events (Flower's live view). Unset: as "
+        "Celery sends task events, while the worker runs with -E or after enable_events "
+        "(Flower sends it), until disable_events. true: always. false: never.",
     )
     tick_events: bool = Field(
         default=False,

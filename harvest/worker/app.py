@@ -22,6 +22,7 @@ from celery.worker.consumer.consumer import INVALID_TASK_ERROR, UNKNOWN_TASK_ERR
 from harvest.broker import celery_config
 from harvest.redact import redact_text
 from harvest.worker import checks, runtime
+from harvest.worker.events import FollowTaskEvents
 from harvest.worker.install import beat_schedule, register_job_names
 
 
@@ -91,6 +92,7 @@ app.user_options["worker"].add(
     )
 )
 app.steps["worker"].add(_AsyncConcurrency)
+app.steps["consumer"].add(FollowTaskEvents)  # job events follow -E and enable_events
 
 
 @worker_init.connect

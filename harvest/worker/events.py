@@ -12,11 +12,21 @@ time) sends nothing: no attempt was made.
 Events are best effort, as Celery's own are: sent from one thread per process over its own
 broker connection, dropped (and counted in the log) when the broker is away or the backlog is
 over :data:`BACKLOG`; a job never waits for them.
+
+They are sent while the worker sends task events, as Celery decides it (``HARVEST_TASK_EVENTS``
+unset): started with ``-E``, or turned on by ``enable_events`` (Flower sends it when it starts
+and every 5 s; ``celery control enable_events``), off again after ``disable_events``. Celery
+keeps that state in the worker's main process, which the prefork children that run the jobs
+cannot see: :class:`FollowTaskEvents` copies it every :data:`FOLLOW_EVERY` seconds into
+:data:`SWITCH`, a byte of memory shared with them. With nobody watching, no job pays for
+events (in the huge goodput case they were a twelfth of an execution process's CPU).
+``HARVEST_TASK_EVENTS=true`` sends them always, ``false`` never.
 """
 
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import queue
 import threading
@@ -24,7 +34,7 @@ import time
 import uuid
 from typing import Any
 
-from celery import Celery
+from celery import Celery, bootsteps
 from celery.utils.time import utcoffset
 
 from harvest.execution.observe import AttemptEnded, AttemptObserver, AttemptStarted
@@ -39,6 +49,75 @@ FLUSH_EVERY = 0.25  # seconds an event may wait for others to share its message
 ARGS_CHARS = 1024  # Celery's argsrepr is cut at the same length
 RESULT_CHARS = 1024
 NAMESPACE = uuid.UUID("6a1d3f0e-4b7e-4c1a-9a55-8f3d6c2b7e10")
+FOLLOW_EVERY = 1.0  # seconds between two copies of the worker's task-event state to SWITCH
+
+
+class EventSwitch:
+    """Whether the worker sends task events: one byte of anonymous shared memory, made when
+    this module is imported (in the worker's main process, before its pool forks), so that
+    every child forked after sees what the main process sets."""
+
+    def __init__(self) -> None:
+        self._byte = mmap.mmap(-1, 1)  # MAP_SHARED: a write is seen across fork
+
+    @property
+    def on(self) -> bool:
+        return self._byte[0] == 1
+
+    def set(self, on: bool) -> bool:
+        """Set it; True when that changed it."""
+        value = 1 if on else 0
+        if self._byte[0] == value:
+            return False
+        self._byte[0] = value
+        return True
+
+
+SWITCH = EventSwitch()
+
+
+def sends_task_events(dispatcher: Any) -> bool:
+    """Whether Celery's event dispatcher sends a task event: it is enabled, and the ``task``
+    group is among its groups (none named: all)."""
+    return (
+        dispatcher is not None
+        and bool(dispatcher.enabled)
+        and (not dispatcher.groups or "task" in dispatcher.groups)
+    )
+
+
+class FollowTaskEvents(bootsteps.StartStopStep):  # type: ignore[misc]
+    """A step of the worker's consumer: at its start and every :data:`FOLLOW_EVERY` seconds,
+    copy whether the worker sends task events (``-E``, ``enable_events``, ``disable_events``)
+    into :data:`SWITCH`, and log each change."""
+
+    requires = ("celery.worker.consumer.events:Events",)
+
+    def __init__(self, c: Any, **kwargs: Any) -> None:
+        self.timer: Any = None
+        super().__init__(c, **kwargs)
+
+    def start(self, c: Any) -> None:
+        self.follow(c)
+        if self.timer is None:
+            self.timer = c.timer.call_repeatedly(FOLLOW_EVERY, self.follow, (c,))
+
+    def stop(self, c: Any) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def shutdown(self, c: Any) -> None:
+        self.stop(c)
+
+    def follow(self, c: Any) -> None:
+        dispatcher = c.event_dispatcher
+        if dispatcher is None:  # reconnecting: the state stays as it was
+            return
+        on = sends_task_events(dispatcher)
+        if SWITCH.set(on):
+            state = "on" if on else "off"
+            log.info("job events %s, as this worker's task events (-E, enable_events)", state)
 
 
 def attempt_task_id(job_id: int, attempt: int) -> str:
@@ -91,20 +170,23 @@ def ended_events(event: AttemptEnded) -> list[tuple[str, dict[str, Any]]]:
 
 class TaskEvents(AttemptObserver):
     """Sends each attempt's task events (an attempt observer; see
-    :mod:`harvest.execution.observe`) under the worker's node name (``execution@host``)."""
+    :mod:`harvest.execution.observe`) under the worker's node name (``execution@host``),
+    while ``switch`` is on (None: always)."""
 
-    def __init__(self, celery: Celery, hostname: str) -> None:
-        self.celery, self.hostname = celery, hostname
+    def __init__(self, celery: Celery, hostname: str, switch: EventSwitch | None = None) -> None:
+        self.celery, self.hostname, self.switch = celery, hostname, switch
         self._queue: queue.SimpleQueue[tuple[str, dict[str, Any], float]] = queue.SimpleQueue()
         self._pid = 0
         self._dropped = 0
         self._lock = threading.Lock()
 
     def started(self, event: AttemptStarted) -> None:
-        self._put(started_events(event), event.at)
+        if self.switch is None or self.switch.on:
+            self._put(started_events(event), event.at)
 
     def ended(self, event: AttemptEnded) -> None:
-        self._put(ended_events(event), event.at)
+        if self.switch is None or self.switch.on:
+            self._put(ended_events(event), event.at)
 
     def _put(self, events: list[tuple[str, dict[str, Any]]], at: float) -> None:
         if self._pid != os.getpid():  # first use in this process (the thread starts after fork)

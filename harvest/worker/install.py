@@ -20,6 +20,7 @@ from harvest.broker import DISPATCH_TASK, RESCUE_TASK, celery_config
 from harvest.errors import ConfigurationError
 from harvest.redact import redact_url
 from harvest.settings import Settings, load_settings
+from harvest.worker.events import FollowTaskEvents
 
 
 def install(celery_app: Celery, *, settings: Settings | None = None) -> Celery:
@@ -44,6 +45,7 @@ def install(celery_app: Celery, *, settings: Settings | None = None) -> Celery:
     if conf.worker_consumer == "celery.worker.consumer:Consumer":  # an app's own one stays
         conf.worker_consumer = ours["worker_consumer"]
     register_tasks(celery_app)
+    celery_app.steps["consumer"].add(FollowTaskEvents)  # job events follow -E, enable_events
     return celery_app
 
 

@@ -15,7 +15,7 @@ from harvest.db import make_engine
 from harvest.execution.executor import Executor
 from harvest.joblog import JobLog
 from harvest.settings import load_settings
-from harvest.worker.events import TaskEvents
+from harvest.worker.events import SWITCH, TaskEvents
 
 POOLS_WITH_THREADS = ("threads", "gevent")
 THREAD_POOL_CAP = 20  # Postgres connections one -P threads / gevent worker process may open
@@ -69,8 +69,9 @@ def harvest() -> Harvest:
         engine = make_engine(settings, execution=True) if executes() else None
         app = Harvest(settings, engine=engine)
         app.observers.add(JobLog(settings.log_format))  # one log line per attempt, start and end
-        if settings.task_events and current.celery is not None and executes():
-            app.observers.add(TaskEvents(current.celery, current.hostname))  # for Flower
+        if settings.task_events is not False and current.celery is not None and executes():
+            switch = None if settings.task_events else SWITCH  # unset: as the worker's -E is
+            app.observers.add(TaskEvents(current.celery, current.hostname, switch))  # Flower
         app.load_imports()
         _state.clear()
         _state.update(harvest=app, pid=os.getpid())

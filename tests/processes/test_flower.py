@@ -104,7 +104,19 @@ def test_each_job_attempt_is_a_task_in_flower_under_its_own_name(
     cluster.worker("schedule", concurrency=1)
     cluster.worker("execution", concurrency=1)
     cluster.beat()
-    time.sleep(2.0)  # Flower sees the workers come up (its event receiver is already on)
+    # No -E: the worker sends task events once Flower's enable_events (sent every 5 s) reaches
+    # it, and its execution children follow within a second; the worker logs that.
+    wait_until(
+        lambda: (
+            "job events on"
+            in "".join(
+                p.read_text(errors="replace")
+                for p in cluster.log_dir.glob("worker-execution-*.log")
+            )
+        ),
+        30,
+        what="Flower's enable_events to turn the worker's job events on",
+    )
     enqueued_at = time.time()
     ok = client_app.enqueue("echo", {"value": "hello"})
     dead = client_app.enqueue("always_fails", {"message": "flower-boom"})

@@ -30,7 +30,8 @@ def test_json_only_and_acks_late() -> None:
 
 
 def test_task_events_follow_the_setting() -> None:
-    assert celery_config(Settings())["worker_send_task_events"] is True  # Flower's live view
+    assert celery_config(Settings())["worker_send_task_events"] is False  # as Celery: -E
+    assert celery_config(Settings(task_events=True))["worker_send_task_events"] is True
     assert celery_config(Settings(task_events=False))["worker_send_task_events"] is False
 
 

@@ -174,3 +174,49 @@ def test_task_events_of_an_attempt_name_the_job_and_end_as_celery_would() -> Non
     assert failed[0][0] == "task-failed" and failed[0][1]["exception"] == "ValueError('boom')"
     assert ended(Outcome(JobStatus.CANCELLED)) == ["task-revoked"]
     assert ended(Outcome(JobStatus.SUCCEEDED), recorded=False) == []
+
+
+def test_job_events_follow_the_task_event_switch_across_fork() -> None:
+    """Celery's rule for a task event (dispatcher enabled, the task group among its groups or
+    none named), copied by the main process into a byte its forked children read: a child
+    sends job events only while the switch is on; with no switch (HARVEST_TASK_EVENTS=true),
+    always."""
+    import os
+    from types import SimpleNamespace
+
+    from harvest.worker.events import EventSwitch, TaskEvents, sends_task_events
+
+    def dispatcher(enabled: bool, groups: set[str]) -> SimpleNamespace:
+        return SimpleNamespace(enabled=enabled, groups=groups)
+
+    assert sends_task_events(dispatcher(True, set()))  # -E: every group
+    assert not sends_task_events(dispatcher(True, {"worker"}))  # no -E: heartbeats only
+    assert sends_task_events(dispatcher(True, {"worker", "task"}))  # after enable_events
+    assert not sends_task_events(dispatcher(False, {"worker", "task"}))  # disabled
+    assert not sends_task_events(None)
+
+    switch = EventSwitch()
+    assert not switch.on and not switch.set(False)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: waits for the parent to turn it on, then reports what it sees
+        os.read(read, 1)
+        os.write(write, b"1" if switch.on else b"0")
+        os._exit(0)
+    assert switch.set(True) and switch.on
+    os.write(write, b"x")
+    os.waitpid(pid, 0)
+    assert os.read(read, 1) == b"1"
+    os.close(read)
+    os.close(write)
+
+    job = Started(7, uuid.uuid4(), "fetch", {}, 1, 3, 5.0, False)
+    start = AttemptStarted(job, "host:1", 0.0)
+    sent: list[object] = []
+    for follows, on, expected in ((switch, False, 0), (switch, True, 2), (None, False, 2)):
+        switch.set(on)
+        events = TaskEvents(None, "execution@host", follows)  # type: ignore[arg-type]
+        events._put = lambda batch, at: sent.extend(batch)  # type: ignore[method-assign]
+        sent.clear()
+        events.started(start)
+        assert len(sent) == expected, (follows, on)
