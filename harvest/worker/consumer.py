@@ -30,12 +30,31 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from collections.abc import Callable
 from typing import Any
 
+from celery.exceptions import CPendingDeprecationWarning
 from celery.worker.consumer import Consumer as CeleryConsumer
 
 log = logging.getLogger("harvest.worker")
+
+
+def quiet_cancel_warning() -> None:
+    """Keep Celery 5.7's warning about cancelling on connection loss out of the log.
+
+    At every lost broker connection Celery warns (six lines) that Celery 6 will cancel the
+    running tasks of a lost connection unless worker_cancel_long_running_tasks_on_connection_loss
+    says otherwise. harvest says otherwise on purpose (harvest.broker): a job that keeps running
+    ends with a fenced write in Postgres, and its message's redelivery is suppressed as a
+    duplicate, so cancelling it would only waste the call. Installed when the consumer is made,
+    after the worker's log setup has put its own filter (``always``, for Celery's deprecation
+    warnings) in front."""
+    warnings.filterwarnings(
+        "ignore",
+        message=r"\s*In Celery 5\.1 we introduced an optional breaking change",
+        category=CPendingDeprecationWarning,
+    )
 
 
 def closing_may_fail(close: Callable[[], Any]) -> Callable[[], Any]:
@@ -91,7 +110,12 @@ def settling_may_fail(settle: Callable[..., Any]) -> Callable[..., Any]:
 
 class Consumer(CeleryConsumer):  # type: ignore[misc]
     """Celery's consumer; a lost connection's close, and the settling of its messages, may
-    fail (module docstring)."""
+    fail (module docstring); Celery's warning about cancelling on connection loss is not
+    repeated (:func:`quiet_cancel_warning`)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        quiet_cancel_warning()
+        super().__init__(*args, **kwargs)
 
     def call_soon_ack(self, p: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return super().call_soon_ack(settling_may_fail(p), *args, **kwargs)

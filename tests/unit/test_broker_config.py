@@ -93,3 +93,33 @@ def test_workers_use_harvests_consumer() -> None:
     consumer = symbol_by_name(app.conf.worker_consumer)
     assert consumer.__module__ == "harvest.worker.consumer"
     assert issubclass(consumer, CeleryConsumer)
+
+
+def test_celerys_warning_about_cancelling_on_connection_loss_is_not_repeated() -> None:
+    """Celery warns at every lost broker connection that Celery 6 will cancel running tasks
+    unless worker_cancel_long_running_tasks_on_connection_loss says otherwise; harvest sets it
+    to False on purpose, and its consumer keeps the warning out of the log, installed after the
+    worker's own filter (``always``, put in front by Celery's log setup). The same warning,
+    Celery's own text, printed in a process without harvest's filter (the canary)."""
+    import subprocess
+    import sys
+
+    warn = (
+        "import warnings\n"
+        "from celery.exceptions import CPendingDeprecationWarning\n"
+        "from celery.worker.consumer.consumer import CANCEL_TASKS_BY_DEFAULT\n"
+        "warnings.filterwarnings('always', category=CPendingDeprecationWarning)  # the worker's\n"
+        "{before}\n"
+        "warnings.warn(CANCEL_TASKS_BY_DEFAULT, CPendingDeprecationWarning, stacklevel=2)\n"
+    )
+    assert celery_config(Settings())["worker_cancel_long_running_tasks_on_connection_loss"] is False
+
+    def stderr(before: str) -> str:
+        code = warn.format(before=before)
+        argv = [sys.executable, "-c", code]
+        run = subprocess.run(argv, check=False, capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        return run.stderr
+
+    assert "In Celery 5.1 we introduced" in stderr("")
+    assert stderr("import harvest.worker.consumer as c; c.quiet_cancel_warning()") == ""
