@@ -48,6 +48,11 @@ class Cluster(ProcessGroup):
         super().__init__(env, log_dir)
         self.settings = settings
 
+    def worker_logs(self, queue: str) -> str:
+        """Everything the workers of ``queue`` (``schedule``, ``execution``) logged so far."""
+        logs = sorted(self.log_dir.glob(f"worker-{queue}-*.log"))
+        return "".join(p.read_text(errors="replace") for p in logs)
+
     def kill(self, proc: subprocess.Popen[bytes], sig: int = signal.SIGKILL) -> None:
         self.signal(proc, sig)
 

@@ -91,9 +91,7 @@ def all_succeed(effects: Engine, ids: list[int], timeout: float) -> None:
 def test_two_thousand_async_jobs_each_recorded_once(
     cluster: Cluster, client_app: Harvest, effects: Engine
 ) -> None:
-    cluster.worker("schedule", concurrency=1)
-    cluster.worker("execution", concurrency=2)
-    cluster.beat()
+    cluster.up()  # a schedule worker, an execution worker of 2 processes, beat
     cluster.wait_ready()
     rng = random.Random(12)
     ids = client_app.enqueue_many(

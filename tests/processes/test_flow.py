@@ -66,7 +66,7 @@ def test_jobs_whose_messages_redis_lost_are_sent_again_at_once_and_run_once(
         ids=ids,
     )
     assert tuple(runs) == (60, 60)
-    logs = "".join(p.read_text() for p in cluster.log_dir.glob("worker-schedule*.log"))
+    logs = cluster.worker_logs("schedule")
     assert "dispatched jobs were taken back to be sent again" in logs
 
 

@@ -107,13 +107,7 @@ def test_each_job_attempt_is_a_task_in_flower_under_its_own_name(
     # No -E: the worker sends task events once Flower's enable_events (sent every 5 s) reaches
     # it, and its execution children follow within a second; the worker logs that.
     wait_until(
-        lambda: (
-            "job events on"
-            in "".join(
-                p.read_text(errors="replace")
-                for p in cluster.log_dir.glob("worker-execution-*.log")
-            )
-        ),
+        lambda: "job events on" in cluster.worker_logs("execution"),
         30,
         what="Flower's enable_events to turn the worker's job events on",
     )
@@ -247,7 +241,7 @@ def test_celery_revoke_skips_a_message_and_its_jobs_come_back(
     assert client_app.get(busy.id).status.value == "running", "revoked too late to tell"
     job = client_app.wait(ref.id, timeout=90)
     assert job.status.value == "succeeded" and job.attempts == 1
-    logs = "".join(p.read_text() for p in cluster.log_dir.glob("worker-execution*.log"))
+    logs = cluster.worker_logs("execution")
     # The worker dropped the revoked message; the job ran from the one rescue sent afterwards.
     assert f"Discarding revoked task: harvest.execute[{task_id}]" in logs
     assert f"harvest.execute[{task_id}] succeeded" not in logs

@@ -54,22 +54,17 @@ def events(cluster: Cluster) -> Iterator[Events]:
     watcher.stop()
 
 
-def _execution_log(cluster: Cluster) -> str:
-    return "".join(
-        p.read_text(errors="replace") for p in cluster.log_dir.glob("worker-execution-*.log")
-    )
-
-
 def test_job_events_are_sent_while_the_workers_task_events_are_on(
     cluster: Cluster, client_app: Harvest, events: Events
 ) -> None:
-    cluster.worker("schedule", concurrency=1)
-    cluster.worker("execution", concurrency=2)
-    cluster.beat()
+    cluster.up()  # a schedule worker, an execution worker of 2 processes, beat
     cluster.wait_ready()
 
     def done(job_id: int) -> bool:
         return client_app.get(job_id).status.value == "succeeded"
+
+    def execution_says(line: str) -> bool:
+        return line in cluster.worker_logs("execution")
 
     quiet = client_app.enqueue("echo", {"value": "before"}).id
     wait_until(lambda: done(quiet), 30, what="the first job")
@@ -77,13 +72,13 @@ def test_job_events_are_sent_while_the_workers_task_events_are_on(
     assert events.of(quiet) == []
 
     events.app.control.enable_events()
-    wait_until(lambda: "job events on" in _execution_log(cluster), 10, what="job events on")
+    wait_until(lambda: execution_says("job events on"), 10, what="job events on")
     loud = client_app.enqueue("echo", {"value": "watched"}).id
     wait_until(lambda: "task-succeeded" in events.of(loud), 30, what="the job's events")
     assert events.of(loud) == ["task-received", "task-started", "task-succeeded"]
 
     events.app.control.disable_events()
-    wait_until(lambda: "job events off" in _execution_log(cluster), 10, what="job events off")
+    wait_until(lambda: execution_says("job events off"), 10, what="job events off")
     after = client_app.enqueue("echo", {"value": "after"}).id
     wait_until(lambda: done(after), 30, what="the last job")
     time.sleep(1.5)
