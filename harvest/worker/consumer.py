@@ -36,6 +36,7 @@ from typing import Any
 
 from celery.exceptions import CPendingDeprecationWarning
 from celery.worker.consumer import Consumer as CeleryConsumer
+from celery.worker.consumer.gossip import Gossip as CeleryGossip
 
 log = logging.getLogger("harvest.worker")
 
@@ -108,10 +109,39 @@ def settling_may_fail(settle: Callable[..., Any]) -> Callable[..., Any]:
     return guarded
 
 
+class Gossip(CeleryGossip):  # type: ignore[misc]
+    """Celery's gossip step (on by default: the README's worker commands run it), whose stop
+    after a lost broker connection does not fail.
+
+    Celery 5.7 closes a lost connection and clears the consumer's reference to it
+    (``Consumer.on_connection_error_after_connected``) before it stops its steps to reconnect.
+    Gossip's stop then closed its channel through ``ignore_errors(c.connection, ...)`` with no
+    connection, and whenever that close met the dead socket (kombu's ``ignore_errors`` then
+    reads the missing connection's error classes) the ``AttributeError`` was logged as "Error
+    on restarting Gossip" with a traceback. The channel was the lost connection's: it went
+    with it, and there is nothing left to close."""
+
+    def _close(self, c: Any, cancel_consumers: bool = True) -> None:
+        if c.connection is None:
+            self.consumers = None
+            return
+        super()._close(c, cancel_consumers)
+
+
+_CELERY_GOSSIP = "celery.worker.consumer.gossip:Gossip"
+
+
 class Consumer(CeleryConsumer):  # type: ignore[misc]
     """Celery's consumer; a lost connection's close, and the settling of its messages, may
     fail (module docstring); Celery's warning about cancelling on connection loss is not
-    repeated (:func:`quiet_cancel_warning`)."""
+    repeated (:func:`quiet_cancel_warning`); its gossip step stops cleanly after a lost
+    connection (:class:`Gossip`)."""
+
+    class Blueprint(CeleryConsumer.Blueprint):  # type: ignore[misc]
+        default_steps = [
+            f"{__name__}:Gossip" if step == _CELERY_GOSSIP else step
+            for step in CeleryConsumer.Blueprint.default_steps
+        ]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         quiet_cancel_warning()

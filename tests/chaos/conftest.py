@@ -245,12 +245,22 @@ class ChaosCluster(ProcessGroup):
         return proc
 
     def worker(  # type: ignore[override]
-        self, queue: str, concurrency: int = 2, netns: str | None = None, **env: str
+        self,
+        queue: str,
+        concurrency: int = 2,
+        netns: str | None = None,
+        *,
+        celery_defaults: bool = False,
+        **env: str,
     ) -> subprocess.Popen[bytes]:
+        """A worker; ``celery_defaults``: with Celery's gossip, mingle and heartbeat on, as the
+        README's worker commands run."""
         node = f"{queue}-{len(self.procs)}-{os.getpid()}@%h"
+        quiet = [] if celery_defaults else ["--without-gossip", "--without-mingle",
+                                            "--without-heartbeat"]  # fmt: skip
         args = [
-            "worker", "-Q", queue, "-c", str(concurrency), "-n", node, "-l", "INFO",
-            "--without-gossip", "--without-mingle", "--without-heartbeat", "--pool", "prefork",
+            "worker", "-Q", queue, "-c", str(concurrency), "-n", node, "-l", "INFO", *quiet,
+            "--pool", "prefork",
         ]  # fmt: skip
         return self.start(f"worker-{queue}", args, netns=netns, **env)
 

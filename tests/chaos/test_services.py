@@ -1,4 +1,5 @@
-"""Faults of the services (the session's PRIVATE Redis and Postgres only): Redis restarted (F4),
+"""Faults of the services (the session's PRIVATE Redis and Postgres only): Redis restarted (F4;
+one execution worker runs with Celery's gossip, mingle and heartbeat, as the README's do),
 every harvest backend terminated again and again (F5), Postgres stopped for 10 s (F6), a session
 idle in transaction (F9), and the connection budget at full concurrency (F10)."""
 
@@ -47,7 +48,10 @@ def test_f4_redis_restart_mid_run(
     make_world: Callable[..., World], request: pytest.FixtureRequest
 ) -> None:
     world = make_world()
-    roles = world.standard(execution=2, concurrency=2)
+    roles = world.standard(execution=1, concurrency=2)
+    readme = world.cluster.worker("execution", concurrency=2, celery_defaults=True)
+    world.cluster.wait_worker(readme)
+    roles.execution.append(readme)
     ids = world.enqueue(200)
     wait_until(lambda: world.succeeded_count(ids) >= 40, 60, 0.2, "the run to get going")
     world.services.redis_stop()  # no persistence: queues, leases and the pool are gone
@@ -84,6 +88,11 @@ def test_f4_redis_restart_mid_run(
     assert figures.lost == 0 and figures.statuses == {"succeeded": len(ids)}
     assert figures.duplicate_effects == 0 and figures.double_claims == 0
     assert world.overlaps() == 0
+    # The worker run as the README's commands run it (gossip, mingle, heartbeat) reconnected
+    # without a step's error and traceback (Celery 5.7's gossip failed at each reconnect).
+    readme_log = world.cluster.log(readme)
+    assert "Connection to broker lost" in readme_log
+    assert "Error on " not in readme_log and "Traceback" not in readme_log, readme_log[-4000:]
 
 
 def _terminate_harvest_backends(world: World) -> int:
