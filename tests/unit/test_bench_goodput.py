@@ -42,3 +42,32 @@ def test_harvest_async_is_judged_against_the_token_limit() -> None:
         (judged,), _ = judge_row(tokens, list(rows.values()))
         verdicts.append((judged.baseline, round(judged.ratio or 0, 2), judged.verdict))
     assert verdicts == [(limit.subject, 0.96, "met"), (limit.subject, 0.94, "missed")]
+
+
+def _figures(steady: float, limit: float) -> dict[str, object]:
+    return {"steady": steady, "limit": limit, "peak_per_key": 16, "concurrency": 16,
+            "http_429": 0, "lost": None, "duplicated": 0, "failed": 0, "unfinished": 0,
+            "rss_mib": 100.0, "seconds": 50.0}  # fmt: skip
+
+
+@pytest.mark.parametrize(("script", "bound"), [(258.0, True), (470.0, False)])
+def test_the_table_says_when_the_machine_not_the_keys_bound_a_case(
+    script: float, bound: bool
+) -> None:
+    """On a slow machine the asyncio script, which does nothing but its calls, stays far below
+    the keys' limit (0.53 in the huge case on one 2-core machine): the table says so, so that a
+    reader does not judge the subjects by the limit alone."""
+    from bench import report
+
+    case = next(c for c in goodput.FULL if c.name == "huge")
+    rows = goodput._rows(case, goodput.make_subjects(["async", "asyncio"], "prefork", {}))
+    for name, steady in ((f"{case.name}: harvest async (prefork)", 273.0),
+                         (f"{case.name}: asyncio script", script)):  # fmt: skip
+        rows[name].values.append(steady)
+        rows[name].extra["goodput"] = _figures(steady, 489.0)
+    caption = str(report.goodput_table(list(rows.values())).caption or "")
+    if bound:
+        assert "huge: the asyncio script reached 0.53 of the limit" in caption
+        assert "not the keys, bound this run" in caption
+    else:
+        assert caption == ""
