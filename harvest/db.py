@@ -12,7 +12,13 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 from sqlalchemy import Engine, create_engine, event, select
-from sqlalchemy.exc import DisconnectionError, IntegrityError, InterfaceError, OperationalError
+from sqlalchemy.exc import (
+    DBAPIError,
+    DisconnectionError,
+    IntegrityError,
+    InterfaceError,
+    OperationalError,
+)
 from sqlalchemy.orm import Session, sessionmaker
 
 from harvest.errors import GetOrCreateConflict, ServiceUnavailable
@@ -101,6 +107,43 @@ def _ping_when_idle(engine: Engine) -> None:
     event.listen(engine, "connect", used)
     event.listen(engine, "checkin", used)
     event.listen(engine, "checkout", checkout)
+
+
+@contextlib.contextmanager
+def autocommit_driver(engine: Engine) -> Iterator[Any]:
+    """A pooled connection's own psycopg connection, in autocommit, for statements that each
+    commit by themselves; back in the pool as it was (autocommit off) when the block ends.
+
+    Nothing of SQLAlchemy's ``Connection`` is made around it: its isolation level set and reset,
+    its transaction bookkeeping and its events cost as much as the pool's checkout itself. A
+    one-statement enqueue, measured in one process against a raw INSERT of the same row: 1,240
+    µs through a ``Connection``, 1,010 µs so, 770 µs for the statement alone on a connection of
+    its own.
+
+    A driver error comes out as SQLAlchemy's (``DBAPIError.instance``, parameters hidden), as
+    it would through a ``Connection``, so :func:`translate_errors` and callers see the same
+    classes. A connection the error left unusable is invalidated with the pool's generation, as
+    a ``Connection`` does on a disconnect (every connection made before it is replaced at its
+    next checkout), instead of being put back."""
+    dbapi = engine.dialect.loaded_dbapi
+    fairy = engine.raw_connection()
+    driver: Any = fairy.driver_connection
+    try:
+        driver.autocommit = True
+        yield driver
+    except dbapi.Error as exc:
+        if driver.closed or driver.broken or engine.dialect.is_disconnect(exc, driver, None):
+            engine.pool._invalidate(fairy, exc)  # what Connection does on a disconnect
+        raise DBAPIError.instance(
+            None, None, exc, dbapi.Error, hide_parameters=True, dialect=engine.dialect
+        ) from exc
+    finally:
+        if fairy.is_valid:
+            try:
+                driver.autocommit = False
+            except dbapi.Error as exc:  # not idle (a statement cut short): not to be reused
+                fairy.invalidate(exc)
+        fairy.close()
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from harvest import batches, store, validation
 from harvest.backpressure import Admission, Limit
 from harvest.batches import BatchRef
-from harvest.db import translate_errors
+from harvest.db import autocommit_driver, translate_errors
 from harvest.errors import EnqueueError, InvalidOption, QueueFull, UnknownJob
 from harvest.jobs import JobRef
 
@@ -175,8 +175,7 @@ class Enqueueing:
         if connection is None and job.idempotency_key is None:
             with self._lazy.gauge.trusted(demands) as keys:
                 if keys is not None:
-                    with translate_errors(), self.engine.connect() as conn:
-                        conn.execution_options(isolation_level="AUTOCOMMIT")
+                    with translate_errors(), autocommit_driver(self.engine) as conn:
                         return store.insert_admitted(conn, job, keys), True
         with translate_errors(), self._transaction(connection) as session:
             conn = session.connection()

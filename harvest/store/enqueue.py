@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from psycopg import Connection as PgConnection
 from sqlalchemy import Connection, RowMapping, Text, cast, literal, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import Session
@@ -81,10 +82,11 @@ def json_value(json_text: str) -> Any:
     return cast(literal(json_text, Text), JSONB)
 
 
-def insert_admitted(conn: Connection, job: NewJob, keys: Sequence[str]) -> int:
+def insert_admitted(conn: Connection | PgConnection[Any], job: NewJob, keys: Sequence[str]) -> int:
     """Insert ``job`` (without an idempotency key) in one round trip on an autocommit
-    connection, under the shared depth locks of ``keys`` (one or two, sorted; see
-    :func:`lock_depth`): the enqueue whose limits are far from full. Returns its id."""
+    connection (SQLAlchemy's, or psycopg's: :func:`harvest.db.autocommit_driver`), under the
+    shared depth locks of ``keys`` (one or two, sorted; see :func:`lock_depth`): the enqueue
+    whose limits are far from full. Returns its id."""
     if not 1 <= len(keys) <= 2:
         raise ValueError(f"a job counts against one or two depth limits, not {len(keys)}")
     second = keys[1] if len(keys) == 2 else None

@@ -28,11 +28,20 @@ def test_version() -> None:
 
 
 def test_help_is_quick_and_imports_nothing_heavy() -> None:
-    """Under 0.5 s of CPU (about 0.2 s of wall time on a quiet machine; CPU time, unlike wall
-    time, does not grow when other processes load the machine). It was 1.4 s."""
+    """Within 5 x the CPU of a Python that imports what a Typer CLI needs (Typer and Rich's
+    console), measured in the same run: CPU time, unlike wall time, does not grow when other
+    processes load the machine, but it does with a slower machine (0.2 s on a quiet Intel one,
+    0.33-0.58 s on a slower AMD one, where a fixed 0.5 s bound failed). 1.7-3.1 x there, from
+    one measurement to the next; with SQLAlchemy and Celery imported, as it once was, 1.4 s on
+    the quiet machine. What keeps it quick is checked exactly below: nothing heavy imported."""
     env = base_env()
+    baseline = [sys.executable, "-c", "import typer, rich.console"]
     best = min(_cpu_seconds([HARVEST, "--help"], env) for _ in range(3))
-    assert best < 0.5, f"harvest --help took {best:.2f} s of CPU (best of 3)"
+    floor = min(_cpu_seconds(baseline, env) for _ in range(3))
+    assert best <= 5 * floor, (
+        f"harvest --help took {best:.2f} s of CPU (best of 3), {best / floor:.1f} x a bare "
+        f"Typer CLI's {floor:.2f} s"
+    )
     done = subprocess.run(
         [sys.executable, "-X", "importtime", "-m", "harvest.cli", "--help"],
         capture_output=True,

@@ -42,6 +42,21 @@ def count_jobs(engine: Engine) -> int:
         return int(conn.execute(text("SELECT count(*) FROM harvest_jobs")).scalar_one())
 
 
+def drop_harvest_connections(engine: Engine) -> int:
+    """Postgres drops every harvest connection to the test database but this one's (an
+    operator, a restart): how many."""
+    with engine.connect() as admin:
+        return int(
+            admin.execute(
+                text(
+                    "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
+                    "WHERE application_name = 'harvest' AND datname = current_database() "
+                    "AND pid <> pg_backend_pid()"
+                )
+            ).scalar_one()
+        )
+
+
 def seed(app: Harvest) -> int:
     """One good job first, so "no row written" is checked against a table that is not empty."""
     return app.enqueue("echo", {"value": "seed"}).id
@@ -380,6 +395,51 @@ def test_cancel_of_pending_job_is_immediate_and_never_claimed(
     assert app.cancel(cancelled.id) is JobStatus.CANCELLED
 
 
+def test_a_connection_dropped_while_in_steady_use_fails_one_enqueue_clearly_then_is_replaced(
+    app: Harvest, clean_db: Engine
+) -> None:
+    """Within ``TRUSTED_FOR`` of its last use a pooled connection is not pinged, so an enqueue
+    on one that Postgres dropped just then fails: with harvest's ServiceUnavailable (not a
+    driver error), nothing stored, and the pool's connections of that generation are replaced,
+    so the next enqueue succeeds at once."""
+    from harvest.errors import ServiceUnavailable
+
+    seed(app)  # the queue's depth counted: the next enqueues, within a second, are one statement
+    killed = drop_harvest_connections(clean_db)
+    assert killed >= 1
+    with pytest.raises(ServiceUnavailable, match="Postgres"):
+        app.enqueue("echo", {"value": "lost"})
+    ref = app.enqueue("echo", {"value": "after"})
+    assert ref.created and app.get(ref.id).status == JobStatus.PENDING
+    clean_db.dispose()  # the test's own pooled connection was dropped too
+    assert count_jobs(clean_db) == 2
+
+
+def test_the_connection_of_a_one_statement_enqueue_goes_back_to_the_pool_out_of_autocommit(
+    migrated: Settings, clean_db: Engine
+) -> None:
+    """The one-statement enqueue runs in autocommit on a pooled connection; the next user of
+    that connection (here a caller's transaction on the pool's only connection) gets it back
+    in transactions again: a job enqueued in it and rolled back is not stored."""
+    single = Harvest(migrated.model_copy(update={"db_pool_size": 1, "db_max_overflow": 0}))
+    single.load_imports(["tests.jobs"])
+    try:
+        counted = single.enqueue("echo", {"value": "counted"})  # the queue's depth counted
+        kept = single.enqueue("echo", {"value": "fast path"})  # within a second: one statement
+        session = single.sessions()
+        try:
+            undone = single.enqueue("echo", {"value": "rolled back"}, connection=session)
+            session.rollback()
+        finally:
+            session.close()
+        assert count_jobs(clean_db) == 2
+        assert {single.get(j.id).status for j in (counted, kept)} == {JobStatus.PENDING}
+        with pytest.raises(JobNotFound):
+            single.get(undone.id)
+    finally:
+        single.close()
+
+
 def test_an_enqueue_after_postgres_dropped_its_idle_connection_succeeds(
     app: Harvest, clean_db: Engine
 ) -> None:
@@ -389,14 +449,7 @@ def test_an_enqueue_after_postgres_dropped_its_idle_connection_succeeds(
     from harvest.db import TRUSTED_FOR
 
     seed(app)
-    with clean_db.connect() as admin:
-        killed = admin.execute(
-            text(
-                "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity "
-                "WHERE application_name = 'harvest' AND datname = current_database() "
-                "AND pid <> pg_backend_pid()"
-            )
-        ).scalar_one()
+    killed = drop_harvest_connections(clean_db)
     assert killed >= 1  # the app's own connection among them
     time.sleep(TRUSTED_FOR + 0.1)
     ref = app.enqueue("echo", {"value": "after"})
