@@ -188,13 +188,13 @@ def goodput_table(rows: list[Row]) -> Table:
         g = row.extra.get("goodput")
         if g is None:
             continue
-        share = g["steady"] / g["limit"] if g["steady"] and g["limit"] else None
-        if row.subject.endswith(": asyncio script") and share is not None and share < MACHINE_BOUND:
-            case = row.subject.removesuffix(": asyncio script")
-            bound.append(f"{case}: the asyncio script reached {share:.2f} of the limit")
         judged, _ = judge_row(row, rows)
         ratios = {j.label: j.ratio for j in judged}
         of_limit = (g["steady"] or 0) / g["limit"] if g["limit"] else None
+        script = row.subject.endswith(": asyncio script") and g["steady"]
+        if script and of_limit is not None and of_limit < MACHINE_BOUND:
+            case = row.subject.removesuffix(": asyncio script")
+            bound.append(f"{case}: the asyncio script reached {of_limit:.2f} of the limit")
         vs_script = ratios.get("vs asyncio script")
         over = g["peak_per_key"] > g["concurrency"]
         out.add_row(

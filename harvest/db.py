@@ -132,7 +132,7 @@ def autocommit_driver(engine: Engine) -> Iterator[Any]:
         driver.autocommit = True
         yield driver
     except dbapi.Error as exc:
-        if driver.closed or driver.broken or engine.dialect.is_disconnect(exc, driver, None):
+        if engine.dialect.is_disconnect(exc, driver, None):  # closed or broken
             engine.pool._invalidate(fairy, exc)  # what Connection does on a disconnect
         raise DBAPIError.instance(
             None, None, exc, dbapi.Error, hide_parameters=True, dialect=engine.dialect

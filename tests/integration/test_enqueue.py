@@ -20,6 +20,7 @@ from harvest.errors import (
     InvalidPayload,
     JobNotFound,
     PayloadTooLarge,
+    ServiceUnavailable,
     UnknownJob,
     WaitTimeout,
 )
@@ -402,8 +403,6 @@ def test_a_connection_dropped_while_in_steady_use_fails_one_enqueue_clearly_then
     on one that Postgres dropped just then fails: with harvest's ServiceUnavailable (not a
     driver error), nothing stored, and the pool's connections of that generation are replaced,
     so the next enqueue succeeds at once."""
-    from harvest.errors import ServiceUnavailable
-
     seed(app)  # the queue's depth counted: the next enqueues, within a second, are one statement
     killed = drop_harvest_connections(clean_db)
     assert killed >= 1
