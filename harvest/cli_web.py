@@ -53,8 +53,6 @@ def web_command(
 
     Credentials come from HARVEST_WEB_USER and HARVEST_WEB_PASSWORD (HTTP Basic auth on every
     page and API call; there is no default password)."""
-    import uvicorn
-
     from harvest.settings import load_settings
     from harvest.web import auth, serve
     from harvest.web.app import create_app
@@ -71,4 +69,4 @@ def web_command(
         app, host=host, port=port, request_timeout=request_timeout,
         max_connections=max_connections, log_level="info",
     )  # fmt: skip
-    uvicorn.Server(config).run()
+    serve.Server(config).run()

@@ -16,6 +16,16 @@ an h11 protocol with:
   answered, the new one is closed instead.
 
 Requests being answered are never dropped by these bounds; headers are at most 16 KiB (h11).
+
+It always runs on asyncio's own event loop (uvloop, when some other package installs it,
+accepts differently), because the open-file budget follows asyncio's accept loop: each time the
+listening socket is readable, asyncio accepts up to ``backlog`` connections at once, and a
+connection reaches ``connection_made`` two loop iterations after its ``accept`` and is closed
+one iteration after it is dropped. So up to three bursts are open beyond the connection limit
+at any moment, and that many files are kept free: a process that runs out of them gets EMFILE,
+and asyncio then stops accepting anyone for a whole second. The kernel's queue of connections
+waiting to be accepted is longer (:data:`LISTEN_BACKLOG`) than one burst: when it is full, a
+new client's SYN is dropped and its connect waits a second for the retransmission.
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
+import socket
+from collections import OrderedDict
 from typing import Any
 
 import h11
@@ -35,10 +47,12 @@ REQUEST_TIMEOUT = 10.0  # seconds to receive a request's headers and body
 KEEP_ALIVE = 5  # seconds an idle kept-alive connection stays open
 MAX_CONNECTIONS = 1000
 FD_RESERVE = 100  # open files kept for the database pool, Redis, logs, ...
-# The listen backlog, which is also the most connections asyncio accepts in one go before any
-# of them can make room: the connection limit leaves that many files free as well, so that the
-# process never runs out of them (on EMFILE asyncio stops accepting for a whole second).
+# The most connections asyncio accepts in one go (the ``backlog`` it is given); three such
+# bursts are open beyond the connection limit at worst (see the module's text), and the limit
+# leaves files free for them.
 BACKLOG = 128
+ACCEPT_BURSTS = 3
+LISTEN_BACKLOG = 4096  # the kernel's accept queue (capped by net.core.somaxconn)
 FD_WANTED = 65536  # the soft open-file limit asked for at start (never above the hard one)
 _WAITING = (h11.IDLE, h11.SEND_BODY)  # the client still owes us (part of) a request
 
@@ -48,11 +62,15 @@ class GuardedH11(H11Protocol):
 
     request_timeout: float = REQUEST_TIMEOUT
     max_connections: int = MAX_CONNECTIONS
+    # The connections that may be waiting on their client, longest-waiting first (one per
+    # protocol class, that is per server: see :func:`protocol`). A connection moves to the end
+    # each time it starts waiting; one that is being answered or closing is taken out when
+    # it reaches the front. Making room is then O(1), not a scan of every connection.
+    _queue: OrderedDict[GuardedH11, None] = OrderedDict()
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
-        self._waiting_since = 0.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -62,6 +80,7 @@ class GuardedH11(H11Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm()
+        self._queue.pop(self, None)
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
@@ -73,7 +92,7 @@ class GuardedH11(H11Protocol):
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._waiting_since = self.loop.time()  # idle keep-alive from now
+        self._wait()  # idle keep-alive from now
 
     def waiting_on_client(self) -> bool:
         """True while the client owes a request (or idles between two)."""
@@ -81,7 +100,7 @@ class GuardedH11(H11Protocol):
 
     def _arm(self) -> None:
         self._disarm()
-        self._waiting_since = self.loop.time()
+        self._wait()
         self._deadline = self.loop.call_later(self.request_timeout, self._expired)
 
     def _disarm(self) -> None:
@@ -98,17 +117,21 @@ class GuardedH11(H11Protocol):
             log.debug("dropped the connection of %s: %s", self.client, why)
             self.transport.close()
 
+    def _wait(self) -> None:
+        self._queue[self] = None
+        self._queue.move_to_end(self)
+
     def _make_room(self) -> None:
-        others = [
-            c
-            for c in self.connections
-            if isinstance(c, GuardedH11) and c is not self and c.waiting_on_client()
-            and not c.transport.is_closing()
-        ]  # fmt: skip
-        if others:
-            min(others, key=lambda c: c._waiting_since).drop("the connection limit was reached")
-        else:
-            self.drop("the connection limit was reached and every connection is being answered")
+        queue = self._queue
+        while queue:
+            longest, _ = queue.popitem(last=False)
+            if longest is self:  # no other connection waits on its client
+                self._wait()
+                break
+            if longest.waiting_on_client() and not longest.transport.is_closing():
+                longest.drop("the connection limit was reached")
+                return
+        self.drop("the connection limit was reached and every connection is being answered")
 
 
 def raise_open_file_limit() -> int:
@@ -126,8 +149,12 @@ def raise_open_file_limit() -> int:
 
 def protocol(*, request_timeout: float, max_connections: int) -> type[GuardedH11]:
     """The protocol class for these bounds (uvicorn makes one instance per connection)."""
-    room = max(16, raise_open_file_limit() - FD_RESERVE - BACKLOG)
-    bounds = {"request_timeout": request_timeout, "max_connections": min(max_connections, room)}
+    room = max(16, raise_open_file_limit() - FD_RESERVE - ACCEPT_BURSTS * BACKLOG)
+    bounds = {
+        "request_timeout": request_timeout,
+        "max_connections": min(max_connections, room),
+        "_queue": OrderedDict(),
+    }
     return type("GuardedH11", (GuardedH11,), bounds)
 
 
@@ -148,6 +175,25 @@ def config(
         http=protocol(request_timeout=request_timeout, max_connections=max_connections),
         timeout_keep_alive=KEEP_ALIVE,
         backlog=BACKLOG,
+        loop="asyncio",
         server_header=False,
         **options,
     )
+
+
+class Server(uvicorn.Server):
+    """uvicorn's server, with the kernel's accept queue lengthened once it listens.
+
+    asyncio gives its ``backlog`` both to ``listen()`` and to its accept loop; the accept loop's
+    burst is what the open-file budget counts, so the queue is lengthened afterwards (a second
+    ``listen()`` on a listening socket changes only its backlog)."""
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        for server in getattr(self, "servers", []):
+            for listening in server.sockets:
+                sock = socket.socket(fileno=listening.fileno())
+                try:
+                    sock.listen(LISTEN_BACKLOG)
+                finally:
+                    sock.detach()  # the fd stays asyncio's

@@ -15,7 +15,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from cryptography.fernet import Fernet
 from sqlalchemy import Engine
 from sqlalchemy.orm import Session
@@ -59,7 +58,7 @@ class Server:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = serve.config(app, log_level="warning", lifespan="on", access_log=False, **bounds)
-        self.server = uvicorn.Server(config)
+        self.server = serve.Server(config)
         self.thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True
         )

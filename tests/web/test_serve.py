@@ -3,16 +3,19 @@ connection limit; a slow client is dropped, the others are served."""
 
 from __future__ import annotations
 
+import shutil
 import socket
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 
 from harvest.app import Harvest
 from harvest.settings import Settings
-from harvest.web import create_app
+from harvest.web import create_app, serve
 from tests.web.conftest import Server
 
 TIMEOUT = 1.0
@@ -122,3 +125,17 @@ def _limit(server: Server) -> None:
     assert all(_open(s) for s in slow[1:])
     for s in slow:
         s.close()
+
+
+def test_the_kernel_queues_many_more_connections_than_one_accept_burst(server: Server) -> None:
+    """A flood of connections waits in the kernel's accept queue (served in turn) instead of
+    overflowing it: an overflow drops a client's SYN, and its connect waits a second."""
+    ss = shutil.which("ss")
+    if ss is None:
+        pytest.skip("ss (iproute2) is not installed")
+    somaxconn = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    listing = subprocess.run(
+        [ss, "-ltnH", f"sport = :{server.port}"], capture_output=True, text=True, check=True
+    ).stdout.split()
+    queue = int(listing[2])  # State Recv-Q Send-Q ...: a listening socket's Send-Q is its backlog
+    assert queue == min(serve.LISTEN_BACKLOG, somaxconn) > serve.BACKLOG
