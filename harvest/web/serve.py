@@ -126,7 +126,6 @@ class GuardedH11(H11Protocol):
         while queue:
             longest, _ = queue.popitem(last=False)
             if longest is self:  # no other connection waits on its client
-                self._wait()
                 break
             if longest.waiting_on_client() and not longest.transport.is_closing():
                 longest.drop("the connection limit was reached")
@@ -190,7 +189,7 @@ class Server(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
-        for server in getattr(self, "servers", []):
+        for server in self.servers:
             for listening in server.sockets:
                 sock = socket.socket(fileno=listening.fileno())
                 try:
