@@ -76,6 +76,61 @@ def _shown(key: str) -> str:
     return repr(key[:40]) if unicode_problem(key) else key[:80]
 
 
+class _Unsure(Exception):
+    """The quick check's "ask the exact one": a value it does not judge, or a refusal."""
+
+
+_QUICK_INT = 1 << 63  # an integer below this in size has far fewer digits than any limit
+
+
+def _quick_item(value: Any, depth: int) -> bool:
+    """:func:`_check_values`'s verdict on the common payload (dicts, lists and the JSON scalars,
+    nothing refused), without a path made for every key: True when a float needs the slow
+    encoder. Raises :class:`_Unsure` for anything else, which the exact check then judges
+    (and names, when refused)."""
+    kind = type(value)
+    if kind is str:
+        if not (value.isascii() and "\x00" not in value) and unicode_problem(value) is not None:
+            raise _Unsure
+        return False
+    if kind is int:
+        if not -_QUICK_INT < value < _QUICK_INT:
+            raise _Unsure
+        return False
+    if kind is bool or value is None:
+        return False
+    if kind is float:
+        if not math.isfinite(value):
+            raise _Unsure
+        big: bool = abs(value) >= _FLOAT_EXPONENT_FORM
+        return big
+    if depth >= MAX_DEPTH:
+        raise _Unsure
+    slow = False
+    if kind is dict:
+        for key, item in value.items():
+            if type(key) is not str or (
+                not (key.isascii() and "\x00" not in key) and unicode_problem(key) is not None
+            ):
+                raise _Unsure
+            slow = _quick_item(item, depth + 1) or slow
+    elif kind is list:
+        for item in value:
+            slow = _quick_item(item, depth + 1) or slow
+    else:
+        raise _Unsure
+    return slow
+
+
+def check_values(payload: Any) -> bool:
+    """Raise InvalidPayload, naming where, at the first value of ``payload`` that cannot
+    round-trip through JSON, jsonb and back; True when a float needs the slow encoder."""
+    try:
+        return _quick_item(payload, 0)
+    except _Unsure:
+        return _check_values(payload, 0, "payload")
+
+
 def _check_values(value: Any, depth: int, path: str) -> bool:
     """Raise InvalidPayload at the first value that cannot round-trip through JSON, jsonb and
     back; True when a float needs the slow encoder (see :data:`_FLOAT_EXPONENT_FORM`)."""
@@ -126,6 +181,26 @@ def _as_dict(value: Any) -> dict[str, Any]:
 # One encoder for every payload (json.dumps with options builds a new one per call).
 _ENCODER = json.JSONEncoder(separators=(",", ":"), allow_nan=False, default=_as_dict)
 
+# And its C core, made once: ``JSONEncoder.encode`` makes one per call (with a dict to catch
+# cycles and a closure for floats), as much again as encoding a small payload. Without the
+# cycle check: it serves only values already checked, whose depth is bounded (a cycle is
+# "nested deeper than MAX_DEPTH").
+_MAKE_C_ENCODER: Any = getattr(json.encoder, "c_make_encoder", None)  # None without _json
+_C_ENCODE = (
+    _MAKE_C_ENCODER(
+        None, _as_dict, json.encoder.encode_basestring_ascii, None, ":", ",", False, False, False
+    )
+    if _MAKE_C_ENCODER is not None
+    else None
+)
+
+
+def _encode_checked(value: Any) -> str:
+    """Compact JSON text of a value :func:`_check_values` accepted."""
+    if _C_ENCODE is None:
+        return _ENCODER.encode(value)
+    return "".join(_C_ENCODE(value, 0))
+
 
 def payload_from_json(text: str, *, option: str = "--payload") -> dict[str, Any]:
     """A payload given as JSON text (a command-line option): a JSON object, or InvalidPayload
@@ -168,8 +243,7 @@ def encode_payload(payload: Any, *, limit: int) -> str:
         raise InvalidPayload(
             f"must be a JSON object (the handler's keyword arguments), got {type(payload).__name__}"
         )
-    slow = _check_values(payload, 0, "payload")
-    encoded = _encode_slow(payload) if slow else _ENCODER.encode(payload)
+    encoded = _encode_slow(payload) if check_values(payload) else _encode_checked(payload)
     # Each character is 1 to 4 bytes of UTF-8: count the bytes only when that matters.
     if len(encoded) * 4 > limit and (size := len(encoded.encode())) > limit:
         raise PayloadTooLarge(size, limit)

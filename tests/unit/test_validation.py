@@ -10,7 +10,7 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from harvest import validation
@@ -126,6 +126,64 @@ def test_too_deep_is_invalid_payload_not_recursion_error(build: Any) -> None:
     payload = {"deep": build(10_000)}
     with pytest.raises(InvalidPayload, match=f"nested deeper than {validation.MAX_DEPTH} levels"):
         validation.encode_payload(payload, limit=10**9)
+
+
+# Anything a caller might pass, refusable or not: the quick check must agree with the exact one.
+any_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.sampled_from([2**63, -(2**63)])
+    | st.sampled_from([4299, 4300, 4400]).map(lambda digits: 10**digits)  # Python reads 4,300
+    | st.floats()  # nan and infinities too
+    | st.text()  # NUL and lone surrogates too
+    | st.sampled_from([Decimal("1.5"), b"raw", {1, 2}, datetime(2024, 1, 1, tzinfo=UTC)]),
+    lambda children: (
+        st.lists(children, max_size=4)
+        | st.lists(children, max_size=4).map(tuple)
+        | st.dictionaries(st.text() | st.integers() | st.none(), children, max_size=4)
+        | st.dictionaries(st.text(), children, max_size=4).map(types.MappingProxyType)
+    ),
+    max_leaves=20,
+)
+
+
+def verdict(check: Any, payload: Any) -> Any:
+    try:
+        return check(payload)
+    except InvalidPayload as exc:
+        return str(exc)
+
+
+@given(st.dictionaries(st.text(), any_values, max_size=4))
+@example({"big": [10**4300]})
+@example({"x": {"y": float("-inf")}})
+@example({"k": {"\x00": 1}})
+@example({"k": ["\ud800"]})
+def test_the_quick_check_agrees_with_the_exact_one(payload: dict[str, Any]) -> None:
+    """The quick check (no path built for every key) must accept, refuse and mark large floats
+    exactly as the exact check does, and a refusal must carry the exact check's message."""
+    exact = verdict(lambda p: validation._check_values(p, 0, "payload"), payload)
+    assert verdict(validation.check_values, payload) == exact
+
+
+@pytest.mark.parametrize("wrap", [lambda v: [v], lambda v: {"a": v}], ids=["lists", "dicts"])
+@pytest.mark.parametrize("leaf", [[], "x", 1.5e20])
+def test_nesting_up_to_the_limit_is_accepted_and_one_more_is_refused(wrap: Any, leaf: Any) -> None:
+    value = leaf
+    for _ in range(validation.MAX_DEPTH - 1):
+        value = wrap(value)
+    payload = {"deep": value}  # the leaf MAX_DEPTH levels below the payload
+    assert json.loads(validation.encode_payload(payload, limit=10**9)) == payload
+    with pytest.raises(InvalidPayload, match="nested deeper"):
+        validation.encode_payload({"deep": wrap(value)}, limit=10**9)
+
+
+def test_a_cycle_is_refused_not_recursed() -> None:
+    looped: dict[str, Any] = {}
+    looped["self"] = looped
+    with pytest.raises(InvalidPayload, match="nested deeper"):
+        validation.encode_payload(looped, limit=LIMIT)
 
 
 def test_reasonable_nesting_is_accepted() -> None:
