@@ -109,7 +109,6 @@ class JobRow(Base):
             unique=True,
             postgresql_where=text("idempotency_key IS NOT NULL"),
         ),
-        Index("harvest_jobs_status_name_idx", "status", "name"),
         Index("harvest_jobs_batch_idx", "batch_id", postgresql_where=text("batch_id IS NOT NULL")),
         # The aging share of the claim (starvation bound): oldest due pending jobs first.
         Index("harvest_jobs_age_idx", "run_at", "id", postgresql_where=text("status = 'pending'")),
@@ -117,6 +116,9 @@ class JobRow(Base):
         Index(
             "harvest_jobs_pending_queue_idx", "queue", postgresql_where=text("status = 'pending'")
         ),
+        # A job name's depth (its max_depth); written only for pending rows, so a job's claim,
+        # start and end write no entry here (migration 0014).
+        Index("harvest_jobs_pending_name_idx", "name", postgresql_where=text("status = 'pending'")),
         # Search by a payload path (containment, harvest.search); migration 0010.
         Index(
             "harvest_jobs_payload_idx",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import secrets
 import threading
+import time
 from collections.abc import Iterator
 
 import psycopg
@@ -224,12 +225,15 @@ def test_the_history_migration_is_online_and_moves_the_old_rows_in_batches(
             )
         )
         done = threading.Event()
-        thread = threading.Thread(target=lambda: (migrate.upgrade(fresh, "head"), done.set()))
+        thread = threading.Thread(
+            target=lambda: (migrate.upgrade(fresh, "0013_job_history"), done.set())
+        )
         thread.start()
         thread.join(60)
         assert done.is_set(), "the migration waited on a worker's open transaction"
         tx.commit()
-    assert migrate.current(fresh) == head()
+    assert migrate.current(fresh) == "0013_job_history"
+    migrate.upgrade(fresh, "head")
 
     app = Harvest(fresh.model_copy(update={"history_batch_size": 4000}))
     try:
@@ -244,3 +248,68 @@ def test_the_history_migration_is_online_and_moves_the_old_rows_in_batches(
         ).one()
     assert dict(here) == {"pending": 49, "dispatched": 1}
     assert tuple(everything) == (30050, 30050)
+
+
+PENDING_ECHO = "SELECT count(*) FROM harvest_jobs WHERE status = 'pending' AND name = 'echo'"
+
+
+def building_index(engine: Engine) -> bool:
+    with engine.connect() as conn:
+        return bool(
+            conn.execute(
+                text(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND query LIKE 'CREATE INDEX CONCURRENTLY%'"
+                )
+            ).scalar_one()
+        )
+
+
+def test_the_pending_name_index_replaces_status_name_while_jobs_keep_coming(
+    fresh: Settings, fresh_engine: Engine
+) -> None:
+    """0014 builds its index CONCURRENTLY: it waits for a worker's open transaction to end
+    (as any concurrent build does), but enqueues go on meanwhile; after it, a name's pending
+    depth is counted from the new partial index, and the (status, name) index is gone."""
+    migrate.upgrade(fresh, "0013_job_history")
+    with fresh_engine.begin() as conn:
+        conn.execute(
+            text("INSERT INTO harvest_jobs (name) SELECT 'echo' FROM generate_series(1, 500)")
+        )
+    with fresh_engine.connect() as worker:  # a worker's transaction, open while it builds
+        tx = worker.begin()
+        worker.execute(
+            text(
+                "UPDATE harvest_jobs SET status = 'dispatched'"
+                " WHERE id = (SELECT min(id) FROM harvest_jobs)"
+            )
+        )
+        done = threading.Event()
+        thread = threading.Thread(target=lambda: (migrate.upgrade(fresh, "head"), done.set()))
+        thread.start()
+        deadline = time.monotonic() + 30
+        while not building_index(fresh_engine):
+            assert time.monotonic() < deadline, "the build never waited on the worker"
+            time.sleep(0.05)
+        with fresh_engine.begin() as conn:  # a new job while the build waits: not blocked
+            conn.execute(text("SET LOCAL lock_timeout = '5s'"))
+            conn.execute(text("INSERT INTO harvest_jobs (name) VALUES ('echo')"))
+        assert not done.is_set()
+        tx.commit()
+        thread.join(60)
+        assert done.is_set()
+    assert migrate.current(fresh) == head()
+    with fresh_engine.begin() as conn:
+        indexes = set(
+            conn.execute(
+                text("SELECT indexname FROM pg_indexes WHERE tablename = 'harvest_jobs'")
+            ).scalars()
+        )
+        conn.execute(text("SET LOCAL enable_seqscan = off"))
+        plan = "\n".join(conn.execute(text("EXPLAIN " + PENDING_ECHO)).scalars())
+        depth = conn.execute(text(PENDING_ECHO)).scalar_one()
+    assert "harvest_jobs_pending_name_idx" in indexes
+    assert "harvest_jobs_status_name_idx" not in indexes
+    assert "harvest_jobs_pending_name_idx" in plan, plan
+    assert depth == 500  # 499 left pending, and the one enqueued during the build
+    assert schema_diff(fresh_engine) == []
