@@ -137,10 +137,6 @@ _RESERVE_IDS = text(
     SELECT array_agg(nextval(s.seq)) AS ids, now() AS now FROM s, generate_series(1, :n)
     """
 )
-_COPY_MANY = (
-    "COPY harvest_jobs (id, name, queue, payload, priority, run_at, max_attempts, timeout, pool,"
-    " tenant) FROM STDIN"
-)
 
 
 BACKSLASH = "\\"
@@ -171,19 +167,28 @@ def insert_many(conn: Connection, template: NewJob, payloads_json: Sequence[str]
         return []
     reserved = conn.execute(_RESERVE_IDS, {"n": len(payloads_json)}).one()
     ids = sorted(int(i) for i in reserved.ids)
-    run_at = template.run_at or reserved.now + timedelta(seconds=template.delay or 0.0)
     t = template
     # The columns every row shares, formatted once; each row adds its id and payload. COPY's
     # text format: tab-separated, \N for NULL, backslashes doubled (the JSON text has no raw
-    # tab or newline: json escapes them inside strings).
+    # tab or newline: json escapes them inside strings). A column whose value is the table's
+    # default is left to it: Postgres parses each value sent for every row (a timestamp's
+    # parse was a tenth of the COPY), and a job due now gets the same ``now()`` either way.
+    shared: dict[str, Any] = {"max_attempts": t.max_attempts, "timeout": t.timeout}
+    if t.priority != 0:
+        shared["priority"] = t.priority
+    if t.run_at is not None or t.delay:
+        shared["run_at"] = t.run_at or reserved.now + timedelta(seconds=t.delay or 0.0)
+    if t.pool is not None:
+        shared["pool"] = t.pool
+    if t.tenant is not None:
+        shared["tenant"] = t.tenant
     head = "\t".join(_copy_text(v) for v in (t.name, t.queue))
-    tail = "\t".join(
-        _copy_text(v) for v in (t.priority, run_at, t.max_attempts, t.timeout, t.pool, t.tenant)
-    )
+    tail = "\t".join(_copy_text(v) for v in shared.values())
+    statement = f"COPY harvest_jobs (id, name, queue, payload, {', '.join(shared)}) FROM STDIN"
     raw = conn.connection.driver_connection
     assert raw is not None
     rows = list(zip(ids, payloads_json, strict=True))
-    with raw.cursor() as cur, cur.copy(_COPY_MANY) as copy:
+    with raw.cursor() as cur, cur.copy(statement) as copy:
         for start in range(0, len(rows), COPY_ROWS_PER_WRITE):
             copy.write(
                 "".join(

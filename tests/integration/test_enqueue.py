@@ -263,6 +263,38 @@ def test_enqueue_many_delay_and_options_are_stored_on_every_row(
     assert later.id > max(ids)
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"priority": -5, "tenant": "acme"}, {"run_at": datetime(2030, 1, 2, 3, 4, 5, tzinfo=UTC)}],
+    ids=["defaults", "priority-tenant", "run_at"],
+)
+def test_enqueue_many_stores_the_row_a_single_enqueue_stores(
+    app: Harvest, clean_db: Engine, options: dict[str, Any]
+) -> None:
+    """The bulk path leaves columns at their defaults to the table (a job due now gets the
+    transaction's now(), as a single INSERT's default gives): every row reads as a single
+    enqueue's with the same options, due now when no time was given."""
+    bulk = app.enqueue_many("echo", [{"value": 1}, {"value": 2}], **options)
+    single = app.enqueue("echo", {"value": 3}, **options).id
+    columns = (
+        "name, queue, priority, max_attempts, timeout, pool, tenant, status, attempts,"
+        " run_at = created_at AS due_at_creation,"
+        " run_at = :run_at AS at_run_at"
+    )
+    with clean_db.connect() as conn:
+        rows = conn.execute(
+            text(f"SELECT id, {columns} FROM harvest_jobs WHERE id = ANY(:ids) ORDER BY id"),
+            {"ids": [*bulk, single], "run_at": options.get("run_at")},
+        ).all()
+    shapes = {tuple(r)[1:] for r in rows}
+    assert len(rows) == 3 and len(shapes) == 1, rows
+    (shape,) = shapes
+    assert shape[:3] == ("echo", "execution", options.get("priority", 0))
+    assert shape[6] == options.get("tenant")
+    assert shape[-2] is ("run_at" not in options)  # due now: run_at is the creation's now()
+    assert shape[-1] is (True if "run_at" in options else None)
+
+
 def test_enqueue_many_stores_awkward_text_exactly(app: Harvest, clean_db: Engine) -> None:
     """Bulk rows go through COPY's text format: backslashes, tabs, newlines, a literal \\N,
     quotes and non-ASCII text must come back as they went in."""
