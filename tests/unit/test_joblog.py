@@ -6,8 +6,12 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
+import threading
+import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -220,3 +224,109 @@ def test_job_events_follow_the_task_event_switch_across_fork() -> None:
         sent.clear()
         events.started(start)
         assert len(sent) == expected, (follows, on)
+
+
+class Keep(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+@pytest.fixture
+def kept() -> Iterator[tuple[logging.Logger, Keep]]:
+    log = logging.getLogger("test.harvest.jobs.records")
+    keep = Keep()
+    log.addHandler(keep)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    yield log, keep
+    log.removeHandler(keep)
+
+
+def test_a_job_line_is_the_record_logger_log_makes(kept: tuple[logging.Logger, Keep]) -> None:
+    """The job log makes its records without Logger.log's per-record lookups; a handler or
+    formatter must find in them all that Logger.log's record holds, with this line's own
+    message, level, time and thread (also from another thread), and none of another line's."""
+    log, keep = kept
+    observer = JobLog(logger=log)
+    run(observer, job(), outcome.succeeded(None))
+    log.warning("%s", "reference")
+    lines = []
+    time.sleep(0.05)
+    worker = threading.Thread(
+        target=lambda: run(observer, job(), outcome.succeeded(None)), name="loop-thread"
+    )
+    worker.start()
+    worker.join()
+    start, end, reference, other_start, _ = keep.records
+    assert set(vars(start)) == set(vars(reference))
+    alike = {"name", "msg", "exc_info", "exc_text", "stack_info", "process", "processName",
+             "thread", "threadName"}  # fmt: skip
+    for key in alike:
+        assert getattr(start, key) == getattr(reference, key), key
+    assert (start.levelno, start.levelname, end.levelno) == (logging.INFO, "INFO", logging.INFO)
+    # where Logger.log's stack walk found it: the job log's _emit
+    assert (start.filename, start.module, start.funcName) == ("joblog.py", "joblog", "_emit")
+    assert start.args == (start.getMessage(),)  # Logger.log(level, "%s", line)'s msg and args
+    assert start.getMessage().startswith("event=job.start ")
+    assert "outcome=succeeded" in end.getMessage()
+    assert start.created <= end.created <= reference.created
+    assert abs(reference.relativeCreated - end.relativeCreated) < 1000 * (
+        reference.created - end.created + 0.01
+    )
+    assert int((start.created % 1) * 1000) == int(start.msecs)
+    assert other_start.threadName == "loop-thread" and other_start.thread == worker.ident
+    assert other_start.created - start.created >= 0.05  # each line its own time
+    assert other_start.relativeCreated - start.relativeCreated >= 50
+    formatter = logging.Formatter(
+        "%(asctime)s %(name)s %(levelname)s %(process)d %(processName)s %(threadName)s "
+        "%(filename)s:%(lineno)d %(funcName)s %(message)s"
+    )
+    for record in keep.records:
+        lines.append(formatter.format(record))
+    assert all(line.split()[3] == "INFO" or "reference" in line for line in lines)
+
+
+def test_a_record_factory_of_your_own_still_makes_every_job_line(
+    kept: tuple[logging.Logger, Keep],
+) -> None:
+    log, keep = kept
+    before = logging.getLogRecordFactory()
+
+    def tagged(*args: Any, **kwargs: Any) -> logging.LogRecord:
+        record = before(*args, **kwargs)
+        record.request_id = "r-1"  # type: ignore[attr-defined]
+        return record
+
+    logging.setLogRecordFactory(tagged)
+    try:
+        run(JobLog(logger=log), job(), outcome.succeeded(None))
+    finally:
+        logging.setLogRecordFactory(before)
+    assert [getattr(r, "request_id", None) for r in keep.records] == ["r-1", "r-1"]
+
+
+def test_a_forked_child_s_job_lines_carry_its_own_process_id(
+    kept: tuple[logging.Logger, Keep],
+) -> None:
+    log, keep = kept
+    observer = JobLog(logger=log)
+    run(observer, job(), outcome.succeeded(None))  # the parent's record is made first
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: a prefork pool's process
+        try:
+            keep.records.clear()
+            run(observer, job(), outcome.succeeded(None))
+            os.write(write, json.dumps([r.process for r in keep.records]).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as pipe:
+        seen = json.loads(pipe.read())
+    os.waitpid(pid, 0)
+    assert keep.records[0].process == os.getpid()
+    assert seen == [pid, pid]
