@@ -445,3 +445,40 @@ def test_jobs_claimed_as_fast_as_they_come_leave_the_statistics_alone(
     with caplog.at_level(logging.INFO, logger="harvest.dispatcher"):
         assert dispatch_once(settings, redis_client) == 30
     assert not [r for r in caplog.records if "statistics" in r.getMessage()]
+
+
+def test_budgets_that_cannot_bind_claim_what_the_claim_without_them_does(
+    clean_db: Engine,
+) -> None:
+    """A claim of ``limit`` rows with every pool's budget at least ``limit`` (keys to spare)
+    takes the rows the claim without budgets takes, in its order; one budget below ``limit``
+    still holds its pool to it."""
+    rows = [
+        (random.choice((-1, 0, 5)), datetime.now(UTC) - timedelta(seconds=i)) for i in range(90)
+    ]
+    ids = insert_jobs(clean_db, rows)
+    with clean_db.begin() as conn:  # a third of the jobs in pool a, a third in b, the rest none
+        conn.execute(
+            text(
+                "UPDATE harvest_jobs SET pool = CASE WHEN id % 3 = 0 THEN 'a' WHEN id % 3 = 1"
+                " THEN 'b' END WHERE id = ANY(:ids)"
+            ),
+            {"ids": ids},
+        )
+
+    def claims(budgets: dict[str, int] | None) -> list[tuple[int, str | None]]:
+        with clean_db.begin() as conn:
+            got = [c.id for c in store.claim_due(conn, limit=12, ttl=60, budgets=budgets)]
+            pools = dict(
+                conn.execute(
+                    text("SELECT id, pool FROM harvest_jobs WHERE id = ANY(:ids)"), {"ids": got}
+                ).all()
+            )
+            conn.rollback()  # every claim sees the same backlog
+        return [(i, pools[i]) for i in got]
+
+    plain = claims(None)
+    assert len(plain) == 12
+    assert claims({"a": 12, "b": 400}) == plain
+    held = claims({"a": 2, "b": 400})
+    assert sum(1 for _, pool in held if pool == "a") == 2 and len(held) == 12
