@@ -157,10 +157,10 @@ def logfmt(fields: Mapping[str, Any]) -> str:
 
 
 def _logfmt_value(value: Any) -> str:
-    if isinstance(value, bool):
+    if value is True or value is False:
         return "true" if value else "false"
     text = "" if value is None else str(value)
-    if text and not any(c in text for c in ' ="\\'):
+    if text and " " not in text and "=" not in text and '"' not in text and "\\" not in text:
         return text
     return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
 

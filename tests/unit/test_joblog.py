@@ -142,9 +142,10 @@ def test_json_mode_writes_lines_alone_when_the_logger_has_no_handler(
 
 
 def test_logfmt_quotes_what_needs_quoting() -> None:
-    assert logfmt({"a": 1, "b": "x y", "c": 'say "hi"', "d": "k=v", "e": True, "f": ""}) == (
-        'a=1 b="x y" c="say \\"hi\\"" d="k=v" e=true f=""'
-    )
+    fields = {"a": 1, "b": "x y", "c": 'say "hi"', "d": "k=v", "e": True, "f": ""}
+    assert logfmt(fields) == 'a=1 b="x y" c="say \\"hi\\"" d="k=v" e=true f=""'
+    more = {"g": "C:\\tmp", "h": False, "i": None, "j": 0, "k": "ünïcode"}
+    assert logfmt(more) == 'g="C:\\\\tmp" h=false i="" j=0 k=ünïcode'
 
 
 def test_task_events_of_an_attempt_name_the_job_and_end_as_celery_would() -> None:
