@@ -10,6 +10,9 @@ the retry delay::
     event=job.end job=12 name=fetch_page attempt=1/5 outcome=retry duration_s=0.532 \\
         retry_in_s=1.07 error_type=RuntimeError error="upstream said 503"
 
+``HARVEST_JOB_LOG`` chooses which: ``all`` (the default), ``ends`` (the end line only),
+``problems`` (the end of an attempt that did not succeed) or ``off``.
+
 ``HARVEST_LOG_FORMAT=logfmt`` (the default) sends them through the worker's log, after
 Celery's prefix. ``json`` writes each alone, as one JSON object with ``ts`` and ``level``, on
 the process's stderr, so a log shipper can read them as they are (give the ``harvest.jobs``
@@ -36,6 +39,7 @@ from harvest.redact import redact_text
 LOGGER = "harvest.jobs"
 MAX_ERROR_CHARS = 500
 Format = Literal["logfmt", "json"]
+Lines = Literal["all", "ends", "problems"]  # HARVEST_JOB_LOG (off: no JobLog at all)
 
 _OUTCOMES = {
     JobStatus.SUCCEEDED: "succeeded",
@@ -49,13 +53,19 @@ _LEVELS = {"retry": logging.WARNING, "failed": logging.ERROR}
 class JobLog(AttemptObserver):
     """The job-level log lines (an attempt observer; see :mod:`harvest.execution.observe`)."""
 
-    def __init__(self, fmt: Format = "logfmt", logger: logging.Logger | None = None) -> None:
+    def __init__(
+        self, fmt: Format = "logfmt", logger: logging.Logger | None = None, lines: Lines = "all"
+    ) -> None:
         self.fmt = fmt
         self.log = logger or logging.getLogger(LOGGER)
+        self.starts = lines == "all"
+        self.successes = lines in ("all", "ends")
         if fmt == "json" and logger is None:
             _own_lines(self.log)
 
     def started(self, event: AttemptStarted) -> None:
+        if not self.starts:
+            return
         job = event.job
         fields = {
             "event": "job.start",
@@ -69,6 +79,8 @@ class JobLog(AttemptObserver):
     def ended(self, event: AttemptEnded) -> None:
         job, outcome = event.job, event.outcome
         name = _OUTCOMES.get(outcome.status, str(outcome.status))
+        if name == "succeeded" and event.recorded and not self.successes:
+            return
         fields: dict[str, Any] = {
             "event": "job.end",
             "job": job.id,

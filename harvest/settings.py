@@ -242,6 +242,12 @@ class Settings(BaseSettings):
         description="Job-level log lines (one per attempt at start and end): logfmt through "
         "the worker's log, or json (one object a line, on the worker's stderr).",
     )
+    job_log: Literal["all", "ends", "problems", "off"] = Field(
+        default="all",
+        description="Which job-level log lines a worker writes: all (an attempt's start and "
+        "end), ends (its end only), problems (the end of an attempt that did not succeed: a "
+        "retry, a failure, a cancel, a dropped outcome), off (none).",
+    )
 
     @field_validator("imports", mode="before")
     @classmethod

@@ -68,7 +68,8 @@ def harvest() -> Harvest:
             settings = settings.model_copy(update={"db_pool_size": size})
         engine = make_engine(settings, execution=True) if executes() else None
         app = Harvest(settings, engine=engine)
-        app.observers.add(JobLog(settings.log_format))  # one log line per attempt, start and end
+        if settings.job_log != "off":  # a line per attempt at its start and its end
+            app.observers.add(JobLog(settings.log_format, lines=settings.job_log))
         if settings.task_events is not False and current.celery is not None and executes():
             switch = None if settings.task_events else SWITCH  # unset: as the worker's -E is
             app.observers.add(TaskEvents(current.celery, current.hostname, switch))  # Flower

@@ -65,3 +65,25 @@ def test_a_success_a_retry_and_a_failure_each_log_their_attempts(
     assert failed["error_type"] == "RuntimeError"
     assert "postgresql://app:***@db.internal:5432/prod" in failed["error"]
     assert "hunter2" not in cluster.logs(tail=10**7)
+
+
+def test_harvest_job_log_problems_writes_only_the_attempts_that_did_not_succeed(
+    cluster: Cluster, client_app: Harvest
+) -> None:
+    """``HARVEST_JOB_LOG=problems`` (busy workers whose successes need no line): no start line,
+    no line for a job that succeeded, an end line for each retry and the failure."""
+    cluster.worker("schedule", concurrency=1)
+    cluster.worker("execution", concurrency=1, HARVEST_JOB_LOG="problems")
+    cluster.beat()
+    cluster.wait_ready()
+    ok = client_app.enqueue("echo", {"value": 1})
+    bad = client_app.enqueue("always_fails", {"message": "upstream said 503"})
+    wait_until(lambda: client_app.get(bad.id).status is JobStatus.FAILED, 60, what="dead job")
+    assert client_app.get(ok.id).status is JobStatus.SUCCEEDED
+    lines = job_lines(cluster.log_dir, "logfmt")
+    seen = [(str(x["job"]), x["event"], x.get("outcome"), str(x["attempt"])) for x in lines]
+    assert seen == [
+        (str(bad.id), "job.end", "retry", "1/3"),
+        (str(bad.id), "job.end", "retry", "2/3"),
+        (str(bad.id), "job.end", "failed", "3/3"),
+    ], cluster.logs()

@@ -331,3 +331,42 @@ def test_a_forked_child_s_job_lines_carry_its_own_process_id(
     os.waitpid(pid, 0)
     assert keep.records[0].process == os.getpid()
     assert seen == [pid, pid]
+
+
+@pytest.mark.parametrize(
+    ("lines_setting", "expected"),
+    [
+        ("all", ["start 7", "end 7", "start 8", "end 8", "start 9", "end 9"]),
+        ("ends", ["end 7", "end 8", "end 9"]),
+        ("problems", ["end 8", "end 9"]),
+    ],
+)
+def test_job_log_setting_chooses_which_lines(
+    lines: tuple[logging.Logger, io.StringIO], lines_setting: Any, expected: list[str]
+) -> None:
+    """HARVEST_JOB_LOG: all lines, the end lines only, or only the ends of attempts that did
+    not succeed: job 7 succeeds, job 8 is retried, job 9 succeeds but its outcome is dropped
+    (another attempt owns the job), which counts as a problem."""
+    log, stream = lines
+    observer = JobLog("logfmt", log, lines=lines_setting)
+    ok, retried, lost = (Started(i, uuid.uuid4(), "fetch_page", {}, 1, 3, 60.0, False)
+                         for i in (7, 8, 9))  # fmt: skip
+    run(observer, ok, outcome.succeeded({"ok": True}))
+    run(observer, retried, outcome.raised(retried, spec(), RuntimeError("upstream said 503")))
+    observer.started(AttemptStarted(lost, "host:42", 1_800_000_000.0))
+    observer.ended(AttemptEnded(lost, outcome.succeeded(None), 0.1, "host:42", False, 1.8e9))
+    seen = [
+        f"{'start' if 'event=job.start' in line else 'end'} {line.split('job=')[1].split()[0]}"
+        for line in stream.getvalue().splitlines()
+    ]
+    assert seen == expected
+
+
+def test_job_log_setting_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from harvest.settings import Settings
+
+    monkeypatch.setenv("HARVEST_JOB_LOG", "problems")
+    assert Settings().job_log == "problems"
+    monkeypatch.setenv("HARVEST_JOB_LOG", "some")
+    with pytest.raises(ValueError, match="job_log"):
+        Settings()
