@@ -22,6 +22,7 @@ from harvest.coordination import fallback
 from harvest.coordination import keys as rkeys
 from harvest.coordination.key_pool import KeyPool, KeyState
 from harvest.execution import registry
+from harvest.outage import REDIS, Outages, service_of
 
 if TYPE_CHECKING:
     from harvest.app import Harvest
@@ -379,18 +380,28 @@ def pool_budgets(app: Harvest, conn: Connection) -> dict[str, int]:
     return budgets
 
 
+_outages = Outages(log, "capacity reads")
+
+
 def _pool_states(app: Harvest, pool: str) -> list[KeyState]:
-    """The live state of one pool's keys ([] when it cannot be read: no capacity)."""
+    """The live state of one pool's keys ([] when it cannot be read: no capacity). Redis away
+    is logged once when it goes and once when it is back (it is read every round)."""
     try:
         keystore.ensure_pool_loaded(app.engine, app.redis, pool)
-        return KeyPool(app.redis, pool).snapshot()
+        states = KeyPool(app.redis, pool).snapshot()
     except Exception as exc:
-        log.warning(
-            "key pool %r capacity unknown (%s); dispatching none of its jobs",
-            pool,
-            type(exc).__name__,
-        )
+        if service_of(exc) == REDIS:
+            _outages.failed(REDIS, exc, "reading key pool capacity: their jobs wait")
+        else:
+            log.warning(
+                "key pool %r capacity unknown (%s); dispatching none of its jobs",
+                pool,
+                type(exc).__name__,
+            )
         return []
+    if _outages.any():
+        _outages.answered(REDIS)
+    return states
 
 
 def waiting_for(route: str, in_flight: Mapping[str, int]) -> int:

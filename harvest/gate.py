@@ -182,9 +182,12 @@ class Gate:
         self.record_cooldown(lease, done.until if done else None, seconds)
 
     def rejected(self, lease: Lease) -> None:
-        """The service refused the key (401/403): disable it in Redis and in Postgres."""
-        self.pool(lease.pool).disable(lease.key_id)
-        self.record_disabled(lease)
+        """The service refused the key (401/403): disable it in Redis and in Postgres (in
+        Postgres even when Redis fails: a pool rebuilt from it leaves the key out)."""
+        try:
+            self.pool(lease.pool).disable(lease.key_id)
+        finally:
+            self.record_disabled(lease)
 
     def record_cooldown(self, lease: Lease, until: float | None, seconds: float) -> None:
         """Write a cooldown to Postgres too, so a pool rebuilt after Redis lost it honours it."""
@@ -323,8 +326,10 @@ class AsyncGate:
         await asyncio.to_thread(self.gate.record_cooldown, lease, until, seconds)
 
     async def rejected(self, lease: Lease) -> None:
-        await self.pool(lease.pool).disable(lease.key_id)
-        await asyncio.to_thread(self.gate.record_disabled, lease)
+        try:
+            await self.pool(lease.pool).disable(lease.key_id)
+        finally:
+            await asyncio.to_thread(self.gate.record_disabled, lease)
 
 
 def _by_pool(leases: Sequence[Lease]) -> list[tuple[str, list[Lease]]]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 import pytest
 import redis
+from psycopg import sql
 from sqlalchemy import Engine, text
 
 from harvest.settings import Settings
@@ -170,6 +171,40 @@ def clean_db(engine: Engine) -> Engine:
         if tables:
             conn.execute(text(f"TRUNCATE {', '.join(tables)} RESTART IDENTITY CASCADE"))
     return engine
+
+
+@pytest.fixture
+def own_database(settings: Settings) -> Iterator[Settings]:
+    """A migrated database of this test's own, which it may close to new connections."""
+    name = f"harvest_test_{secrets.token_hex(4)}_outage"
+    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    own = settings.model_copy(
+        update={"database_url": settings.database_url.rsplit("/", 1)[0] + "/" + name}
+    )
+    from harvest.migrate import upgrade
+
+    upgrade(own)
+    yield own
+    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+        drop = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)")
+        conn.execute(drop.format(sql.Identifier(name)))
+
+
+def close_database(name: str, closed: bool) -> None:
+    """Refuse (or allow again) new connections to ``name`` and cut the ones it has."""
+    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
+        conn.execute(
+            sql.SQL("ALTER DATABASE {} WITH ALLOW_CONNECTIONS {}").format(
+                sql.Identifier(name), sql.SQL("false" if closed else "true")
+            )
+        )
+        if closed:
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                "WHERE datname = %s AND pid <> pg_backend_pid()",
+                (name,),
+            )
 
 
 @pytest.fixture

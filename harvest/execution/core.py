@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING, Any
 from harvest.coordination import fallback
 from harvest.coordination.key_pool import IDLE_RETRY, Busy, Lease
 from harvest.errors import InvalidCost, UnknownJob
+from harvest.execution import away, outcome, sql, tracking
 from harvest.execution import effects as fx
-from harvest.execution import outcome, sql, tracking
 from harvest.execution.observe import AttemptEnded, AttemptStarted, Deferred
 from harvest.execution.outcome import Outcome
 from harvest.execution.tracking import Tracked
@@ -50,6 +50,7 @@ MALFORMED = "malformed_messages_dropped"
 
 KEY_POLL = 0.25  # longest sleep between lease tries while waiting for a key
 MIN_WAIT = 0.05  # shortest delay of a deferral
+
 
 Attempt = Generator[fx.Effect, Any, tuple[str, ...]]
 """Yields effects; returns what became of the job, as counts to add: "started" (and "lost" too
@@ -109,14 +110,16 @@ def attempt(
         return ("lost",)
     if spec is None and (deferred_for or 0.0) < plan.unknown_job_grace:
         yield from _defer(
-            tracked, _unknown_wait(deferred_for), _unknown_reason(tracked, plan), plan
+            tracked, _growing_wait(deferred_for), _unknown_reason(tracked, plan), plan
         )
         return ("deferred",)
     cost, bad_cost = token_cost(spec, payload)
     if leased is not None:
         passed: Lease | Wait | Refused | NotStarted | None = leased
     else:
-        passed = (yield from gate(spec, tracked, plan, cost)) if spec and not bad_cost else None
+        passed = None
+        if spec and not bad_cost:
+            passed = yield from _gate(spec, tracked, plan, cost, deferred_for)
     if isinstance(passed, NotStarted):
         return (yield from _not_started(passed))
     if isinstance(passed, Refused):
@@ -148,6 +151,21 @@ def token_cost(
         return spec.cost_of(payload), None
     except InvalidCost as exc:
         return 0, exc
+
+
+def _gate(
+    spec: JobSpec, tracked: Tracked, plan: Plan, cost: int, deferred_for: float | None
+) -> Generator[fx.Effect, Any, Lease | Wait | Refused | NotStarted | None]:
+    """:func:`gate`; where Redis does not answer, a Wait that grows as :func:`_growing_wait`
+    (the job steps back to pending with its attempt refunded, and is dispatched again)."""
+    try:
+        passed = yield from gate(spec, tracked, plan, cost)
+    except away.REDIS_AWAY as exc:
+        why = away.failed(exc, "a job's rate permit or key lease")
+        return Wait(_growing_wait(deferred_for), why)
+    if isinstance(passed, Lease):
+        away.answered()
+    return passed
 
 
 def gate(
@@ -317,8 +335,10 @@ def _started(
     decided = decide(started, spec, result, secret=secret, keyed=lease is not None, plan=plan)
     if lease is not None:
         if decided.key_action is not None:
-            yield from _key_action(lease, decided, tracked)
-        # the key is free for the next job before the write
+            with away.tolerated("resting or disabling a key"):
+                yield from _key_action(lease, decided, tracked)
+        # the key is free for the next job before the write (a release that fails is logged
+        # by the shell and the lease expires by itself: it never stops the write)
         yield key_release(held.pop(), tracked, decided)
         if tracked.ran:
             yield fx.CountUsage(usage_of(lease, tracked, decided, started.tenant))
@@ -451,8 +471,10 @@ def _defer(
     return ok
 
 
-def _unknown_wait(deferred_for: float | None) -> float:
-    """Deferrals of an unknown job grow from 1 s to 30 s (a rolling deploy takes minutes)."""
+def _growing_wait(deferred_for: float | None) -> float:
+    """Deferrals that repeat grow from 1 s to 30 s, a quarter of the time deferred so far (an
+    unknown job: a rolling deploy takes minutes; Redis away: restarts take seconds, outages
+    minutes), so a long wait costs few rounds and a short one is over soon after it ends."""
     return min(30.0, max(1.0, (deferred_for or 0.0) / 4))
 
 

@@ -18,6 +18,7 @@ from harvest.coordination import fallback
 from harvest.coordination.key_state import Lease
 from harvest.execution import effects as fx
 from harvest.execution import sql
+from harvest.execution.away import REDIS_AWAY
 from harvest.execution.core import Plan, not_started
 from harvest.jobs import Started
 
@@ -58,10 +59,14 @@ def key_first(
 ) -> Generator[fx.Effect, Any, Keyed | tuple[str, ...] | None]:
     """A job that :func:`leases_first`: one lease try, then, with a key, its hold is its start
     (one fenced write, as for a job that needs no key). A duplicate or cancelled delivery
-    gives the key back and ends here (its counts). No key now (or no such pool in Redis):
-    None, and it is held and goes through the gate as any job (:func:`attempt`)."""
+    gives the key back and ends here (its counts). No key now (or no such pool in Redis, or
+    Redis does not answer): None, and it is held and goes through the gate as any job
+    (:func:`attempt`)."""
     asked_at = yield fx.Clock()
-    lease = yield fx.LeaseKey(fallback.pools(spec.pool)[0], f"{plan.worker}:{pair[0]}", 0)
+    try:
+        lease = yield fx.LeaseKey(fallback.pools(spec.pool)[0], f"{plan.worker}:{pair[0]}", 0)
+    except REDIS_AWAY:
+        return None  # the gate meets it again and steps the job back (``core.attempt``)
     if not isinstance(lease, Lease):
         return None
     try:

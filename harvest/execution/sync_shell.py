@@ -25,12 +25,13 @@ from harvest.clients import ClientPool
 from harvest.context import JobContext
 from harvest.coordination.key_pool import Lease
 from harvest.errors import JobTimeout
-from harvest.execution import core, handoff, limits, sql
+from harvest.execution import core, handoff, limits, patience, sql
 from harvest.execution import effects as fx
 from harvest.execution.heartbeat import HeartbeatThread
 from harvest.execution.observe import Received, notify
 from harvest.execution.tracking import Tracked
 from harvest.gate import Gate
+from harvest.outage import POSTGRES, service_of
 from harvest.usage import Tally
 
 if TYPE_CHECKING:
@@ -338,31 +339,46 @@ class SyncShell:
     def db(self, query: sql.Query[T]) -> T:
         """One statement, autocommit, on a connection of the process's pool checked out for
         it (the driver's own, without SQLAlchemy's per-checkout transaction and isolation
-        bookkeeping: a tenth of this process's time at hundreds of jobs a second). A
-        connection that died under it (Postgres restarted, a backend terminated) is discarded
-        and the statement tried once more on a fresh one; each statement is fenced, so a retry
-        of one that did land changes nothing."""
-        for last in (False, True):
-            pooled = self.app.engine.raw_connection()
-            driver = pooled.driver_connection
-            assert isinstance(driver, psycopg.Connection)
+        bookkeeping: a tenth of this process's time at hundreds of jobs a second). While
+        Postgres does not answer (restarted, a backend terminated, stopped for seconds) it is
+        tried again as :mod:`~harvest.execution.patience` says, as the asyncio shell's writes
+        are: a finish given up too soon would have rescue run a call that was made again."""
+        waits = patience.pauses(self.plan.lease_ttl / 2)
+        while True:
             try:
-                driver.autocommit = True
-                try:
-                    return sql.run(driver, query)
-                finally:
-                    if not driver.closed:
-                        driver.autocommit = False  # as the pool's other users expect it
-            except psycopg.OperationalError:
-                if not driver.broken:
-                    raise  # the statement failed, not the connection (a timeout, say)
-                pooled.invalidate()
-                self.app.engine.dispose(close=False)  # its pool-mates died with it
-                if last:
-                    raise
+                return self._db_once(query)
+            except _Away as away:
+                pause = next(waits, None)
+                if pause is None:
+                    raise away.error from None
+                patience.retrying(away.error, pause)
+                time.sleep(pause)
+
+    def _db_once(self, query: sql.Query[T]) -> T:
+        """One try; :class:`_Away` when Postgres did not answer (no connection, or it broke)."""
+        try:
+            pooled = self.app.engine.raw_connection()
+        except Exception as exc:
+            if service_of(exc) == POSTGRES:
+                raise _Away(exc) from exc
+            raise
+        driver = pooled.driver_connection
+        assert isinstance(driver, psycopg.Connection)
+        try:
+            driver.autocommit = True
+            try:
+                return sql.run(driver, query)
             finally:
-                pooled.close()
-        raise AssertionError("unreachable")
+                if not driver.closed:
+                    driver.autocommit = False  # as the pool's other users expect it
+        except psycopg.OperationalError as exc:
+            if not driver.broken:
+                raise  # the statement failed, not the connection (a timeout, say)
+            pooled.invalidate()
+            self.app.engine.dispose(close=False)  # its pool-mates died with it
+            raise _Away(exc) from exc
+        finally:
+            pooled.close()
 
     # --- running a handler ----------------------------------------------------------------
 
@@ -435,3 +451,10 @@ class SyncShell:
                 e.job.attempt,
                 e.job.timeout or e.spec.timeout,
             )
+
+
+class _Away(Exception):
+    """Postgres did not answer a statement's try (``error``): try again."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error = error

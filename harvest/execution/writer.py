@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -38,7 +37,7 @@ from typing import Any
 import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from harvest.execution import sql
+from harvest.execution import patience, sql
 
 log = logging.getLogger("harvest.writer")
 
@@ -124,19 +123,19 @@ class Writer:
             asyncio.get_running_loop().call_later(BUMP_EVERY, self._flush_counts)
 
     async def run(self, query: sql.Query[Any]) -> Any:
-        """One statement on a pooled connection, retried while the failure is transient."""
-        deadline = time.monotonic() + self.patience
-        pause = 0.05
+        """One statement on a pooled connection, retried while the failure is transient
+        (:mod:`~harvest.execution.patience`)."""
+        waits = patience.pauses(self.patience)
         while True:
             try:
                 async with self.pool.connection() as conn:
                     return await sql.arun(conn, query)
             except psycopg.OperationalError as exc:
-                if time.monotonic() + pause > deadline:
+                pause = next(waits, None)
+                if pause is None:
                     raise
-                log.warning("write failed (%s); retrying in %.2fs", type(exc).__name__, pause)
+                patience.retrying(exc, pause)
                 await asyncio.sleep(pause)
-                pause = min(pause * 2, 1.0)
 
     async def drain(self) -> None:
         """Write everything gathered (shutdown)."""

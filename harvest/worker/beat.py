@@ -16,8 +16,8 @@ import redis
 from celery.beat import PersistentScheduler
 
 from harvest.coordination.lock import LeaderElector
+from harvest.outage import BROKER, REDIS, Outages, service_of
 from harvest.settings import load_settings
-from harvest.worker.outage import BROKER, REDIS, Outages, service_of
 
 log = logging.getLogger(__name__)
 

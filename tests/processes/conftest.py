@@ -3,7 +3,9 @@ database and Redis db, and stopped (whole process groups) at the end of each tes
 
 from __future__ import annotations
 
+import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterable, Iterator
@@ -178,3 +180,53 @@ def statuses(engine: Engine, ids: list[int]) -> dict[str, int]:
             {"ids": ids},
         ).all()
     return {r[0]: r[1] for r in rows}
+
+
+class PrivateRedis:
+    """A redis-server of the test's own on a free port, without persistence, that the test
+    may kill and start again (the machine's shared Redis is never stopped)."""
+
+    def __init__(self) -> None:
+        server = shutil.which("redis-server")
+        if server is None:
+            pytest.skip("no redis-server on PATH to start a private Redis")
+        self.server = server
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            self.port: int = sock.getsockname()[1]
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> PrivateRedis:
+        self.proc = subprocess.Popen(
+            [self.server, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        client = redis.Redis.from_url(self.url, socket_connect_timeout=0.5)
+
+        def answers() -> bool:
+            try:
+                return bool(client.ping())
+            except redis.ConnectionError:
+                return False
+
+        try:
+            wait_until(answers, 10, 0.1, "the private Redis")
+        finally:
+            client.close()
+        return self
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(5)
+        self.proc = None
+
+
+@pytest.fixture
+def private_redis() -> Iterator[PrivateRedis]:
+    """A started :class:`PrivateRedis`, killed at the end of the test."""
+    server = PrivateRedis().start()
+    yield server
+    server.kill()

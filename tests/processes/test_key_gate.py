@@ -6,6 +6,7 @@ from __future__ import annotations
 import secrets
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from sqlalchemy import Engine, text
 from harvest.app import Harvest
 from harvest.settings import Settings
 from tests.processes.api_server import ApiServer, digest, max_in_window, max_overlap
-from tests.processes.conftest import Cluster, wait_until, with_keys
+from tests.processes.conftest import Cluster, PrivateRedis, wait_until, with_keys
 
 pytestmark = pytest.mark.slow
 
@@ -194,3 +195,63 @@ def _succeeded(engine: Engine) -> int:
                 text("SELECT count(*) FROM harvest_jobs WHERE status = 'succeeded'")
             ).scalar_one()
         )
+
+
+@pytest.mark.parametrize("job", ["call_api", "async_call_api"])
+def test_redis_stopped_under_the_key_pool_fails_no_job_and_raises_nothing(
+    job: str,
+    migrated: Settings,
+    clean_db: Engine,
+    effects: Engine,
+    api: tuple[ApiServer, str],
+    tmp_path: Path,
+    private_redis: PrivateRedis,
+) -> None:
+    """The key pool's Redis killed mid-run (the broker stays up) and started again empty: the
+    jobs at their gate step back to pending with their attempts refunded, the pool is rebuilt
+    from Postgres, and every job succeeds with its call made once. No task raises: a Redis
+    error out of an attempt would end it with a traceback and leave its job to rescue."""
+    _, url = api
+    private = migrated.model_copy(update={"redis_url": private_redis.url})
+    client = redis.Redis.from_url(private_redis.url)
+    keys = [(POOL, name, f"{SENTINEL}-{name}", {"max_concurrency": 2}) for name in "ab"]
+    keyed = with_keys(private, client, keys)
+    client.close()
+    cluster = Cluster(keyed, tmp_path, broker_url=migrated.redis_url)
+    cluster.env["HARVEST_SECRET_KEY"] = keyed.secret_key.get_secret_value()  # type: ignore[union-attr]
+    cluster.worker("schedule", concurrency=1)
+    cluster.worker("execution", concurrency=2)
+    cluster.beat()
+    n = 150
+    try:
+        cluster.wait_ready()
+        harvest = Harvest(keyed)
+        harvest.load_imports(["tests.jobs"])
+        harvest.enqueue_many(job, [{"url": url, "hold": 0.05} for _ in range(n)])
+        harvest.close()
+        wait_until(lambda: _succeeded(effects) >= 20, 60, 0.1, "the run to get going")
+        private_redis.kill()  # leases, rate windows and the pool are gone with it
+        time.sleep(3)
+        private_redis.start()
+        wait_until(lambda: _succeeded(effects) == n, 120, 0.5, f"all {n} jobs to succeed")
+        with effects.connect() as conn:
+            calls = conn.execute(text("SELECT count(*) FROM test_effects")).scalar_one()
+            attempts = conn.execute(text("SELECT max(attempts) FROM harvest_jobs")).scalar_one()
+    finally:
+        cluster.stop()
+    execution = cluster.worker_logs("execution")
+    schedule = cluster.worker_logs("schedule")
+    assert calls == n  # each job's call made once: none ran again after its outcome was lost
+    assert attempts <= 2, attempts  # a step back for Redis uses no attempt
+    assert "Redis does not answer" in execution and "Redis answers again" in execution
+    # the dispatcher reads the pools' capacity every round: one line when Redis goes, not one
+    # per round and pool
+    assert schedule.count("Redis does not answer") == 1, schedule[-4000:]
+    assert "capacity unknown" not in schedule
+    assert "rebuilt from Postgres" in cluster.logs(tail=10**7)
+    # the dispatcher reads the pools' capacity every round: one line when Redis goes, not one
+    # per round and pool
+    assert schedule.count("Redis does not answer") == 1, schedule[-4000:]
+    assert "capacity unknown" not in schedule
+    stray = [line for line in execution.splitlines() if "Traceback" in line or "unexpected" in line]
+    assert not stray, execution[-6000:]  # a release that failed is a warning, not an error

@@ -3,59 +3,18 @@ ends (with a count), not once per tick, and the processes carry on after it."""
 
 from __future__ import annotations
 
-import secrets
-import shutil
-import signal
-import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import psycopg
 import pytest
-from psycopg import sql
 
-from harvest import migrate
 from harvest.app import Harvest
 from harvest.models import JobStatus
 from harvest.settings import Settings
-from tests.conftest import ADMIN_URL
-from tests.processes.conftest import Cluster, wait_until
-from tests.processes.test_fail_fast import free_port
+from tests.conftest import close_database
+from tests.processes.conftest import Cluster, PrivateRedis, wait_until
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture
-def own_database(settings: Settings) -> Iterator[Settings]:
-    """A migrated database of this test's own, which it may close to new connections."""
-    name = f"harvest_test_{secrets.token_hex(4)}_outage"
-    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    own = settings.model_copy(
-        update={"database_url": settings.database_url.rsplit("/", 1)[0] + "/" + name}
-    )
-    migrate.upgrade(own)
-    yield own
-    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
-        drop = sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)")
-        conn.execute(drop.format(sql.Identifier(name)))
-
-
-def close_database(name: str, closed: bool) -> None:
-    """Refuse (or allow again) new connections to ``name`` and cut the ones it has."""
-    with psycopg.connect(ADMIN_URL, autocommit=True) as conn:
-        conn.execute(
-            sql.SQL("ALTER DATABASE {} WITH ALLOW_CONNECTIONS {}").format(
-                sql.Identifier(name), sql.SQL("false" if closed else "true")
-            )
-        )
-        if closed:
-            conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                "WHERE datname = %s AND pid <> pg_backend_pid()",
-                (name,),
-            )
 
 
 def lines_with(log_dir: Path, prefix: str, text: str) -> list[str]:
@@ -101,42 +60,18 @@ def test_a_postgres_outage_is_logged_once_with_a_count(
         app.close()
 
 
-def test_a_redis_outage_is_logged_once_by_beat(migrated: Settings, tmp_path: Path) -> None:
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.skip("no redis-server on PATH to start a private Redis")
-    port = free_port()
-
-    def redis_up() -> subprocess.Popen[bytes]:
-        proc = subprocess.Popen(
-            [server, "--port", str(port), "--bind", "127.0.0.1", "--save", ""],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        wait_until(
-            lambda: (
-                subprocess.run(
-                    ["redis-cli", "-p", str(port), "ping"], capture_output=True, check=False
-                ).stdout.strip()
-                == b"PONG"
-            ),
-            10,
-            0.1,
-            "the private Redis",
-        )
-        return proc
-
-    private = migrated.model_copy(update={"redis_url": f"redis://127.0.0.1:{port}/0"})
-    redis_proc = redis_up()
+def test_a_redis_outage_is_logged_once_by_beat(
+    migrated: Settings, tmp_path: Path, private_redis: PrivateRedis
+) -> None:
+    private = migrated.model_copy(update={"redis_url": private_redis.url})
     cluster = Cluster(private, tmp_path)
     try:
         cluster.beat()
         cluster.wait_ready()
         time.sleep(2)
-        redis_proc.send_signal(signal.SIGKILL)
-        redis_proc.wait(5)
+        private_redis.kill()
         time.sleep(5)
-        redis_proc = redis_up()
+        private_redis.start()
         wait_until(
             lambda: len(lines_with(tmp_path, "beat", "answers again")) == 2,
             30,
@@ -149,5 +84,3 @@ def test_a_redis_outage_is_logged_once_by_beat(migrated: Settings, tmp_path: Pat
         assert "Traceback" not in logs and "Message Error" not in logs, logs
     finally:
         cluster.stop()
-        redis_proc.send_signal(signal.SIGKILL)
-        redis_proc.wait(5)

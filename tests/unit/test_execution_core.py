@@ -3,20 +3,23 @@ scripted shell that answers each effect, so every path is checked in microsecond
 
 from __future__ import annotations
 
+import contextlib
 import uuid
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import pytest
+import redis
 
 from harvest.app import JobSpec
 from harvest.coordination.key_pool import Busy, Lease
 from harvest.errors import KeyRejected, RateLimited
-from harvest.execution import core, tracking
+from harvest.execution import away, core, delivery, patience, tracking
 from harvest.execution import effects as fx
 from harvest.execution.observe import AttemptEnded, AttemptStarted, Deferred
 from harvest.jobs import Started
 from harvest.models import JobStatus
+from harvest.outage import Outages
 from harvest.retry import RetryPolicy
 
 PLAN = core.Plan(
@@ -246,6 +249,101 @@ def test_a_pool_redis_lost_is_rebuilt_once() -> None:
     s = Script(LeaseKey=lambda e: next(answers), Start=lambda e: None)
     s.run(core.attempt(tracked(), spec(pool="p"), PLAN))
     assert len(s.of(fx.LoadPool)) == 1 and s.of(fx.ReleaseKey)
+
+
+REFUSED = redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379. Connection refused.")
+
+
+def _away(e: Any) -> Any:
+    raise REFUSED
+
+
+@pytest.mark.parametrize("where", ["RatePermit", "LeaseKey", "LoadPool", "waiting"])
+def test_redis_away_at_the_gate_steps_the_job_back_with_its_attempt_refunded(
+    where: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Redis stopped or restarted under a job at its gate: no error out of the attempt (it
+    # would end the task with a traceback and leave the job to rescue), no attempt used.
+    def script() -> Script:
+        answers: dict[str, Callable[[Any], Any]] = {
+            "Defer": lambda e: True,
+            "Start": lambda e: started(),
+        }
+        if where == "LoadPool":
+            answers["LeaseKey"] = lambda e: None  # the pool is gone from Redis: rebuilt: fails
+        if where == "waiting":  # it started, waited for a key, then Redis went
+            tries = iter([Busy(0.3)])
+            answers["LeaseKey"] = lambda e: next(tries, None) or _away(e)
+        else:
+            answers[where] = _away
+        return Script(**answers)
+
+    caplog.set_level("WARNING", "harvest.runner")
+    job = spec(pool="p", rate="10/s" if where == "RatePermit" else None)
+    runs = [script() for _ in range(3)]
+    with _fresh_outages():
+        for s in runs:
+            assert s.run(core.attempt(tracked(), job, PLAN, deferred_for=2.0)) == ("deferred",)
+    defers = [d for s in runs for d in s.of(fx.Defer)]
+    assert len(defers) == 3 and {d.row.delay for d in defers} == {1.0}
+    assert all(d.row.started == (where == "waiting") for d in defers)  # begun: refunded
+    assert not any(s.of(fx.RunHandler) or s.of(fx.Finish) for s in runs)
+    said = [r.getMessage() for r in caplog.records if "Redis" in r.getMessage()]
+    assert len(said) == 1, said  # once per outage, not once per job
+    assert "Redis does not answer (ConnectionError: Error 111" in said[0]
+    assert "rate permit or key lease" in said[0]
+
+
+def test_the_step_back_for_redis_away_grows_with_the_outage_then_its_end_is_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("WARNING", "harvest.runner")
+    with _fresh_outages():
+        waits = []
+        for deferred_for in (0.0, 8.0, 60.0, 600.0):
+            s = Script(LeaseKey=_away, Defer=lambda e: True)
+            s.run(core.attempt(tracked(), spec(pool="p"), PLAN, deferred_for=deferred_for))
+            waits.append(s.of(fx.Defer)[0].row.delay)
+        assert waits == [1.0, 2.0, 15.0, 30.0]
+        ok = fx.HandlerResult(value=1)
+        s = Script(LeaseKey=lambda e: lease(), Start=lambda e: started(),
+                   RunHandler=lambda e: ok, Finish=lambda e: True)  # fmt: skip
+        assert s.run(core.attempt(tracked(), spec(pool="p"), PLAN)) == ("started",)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and said[1].startswith("Redis answers again after")
+    assert "(4 failed key-pool calls meanwhile)" in said[1]
+
+
+@pytest.mark.parametrize(
+    ("error", "effect"), [(RateLimited(12.0), "CoolKey"), (KeyRejected("401"), "DisableKey")]
+)
+def test_redis_away_after_the_call_still_writes_the_outcome(error: Exception, effect: str) -> None:
+    # The call was made: its outcome must be written, or rescue would run it again.
+    result = fx.HandlerResult(error=error)
+    s = Script(LeaseKey=lambda e: lease(), Start=lambda e: started(),
+               RunHandler=lambda e: result, Finish=lambda e: True, **{effect: _away})  # fmt: skip
+    with _fresh_outages():
+        assert s.run(core.attempt(tracked(), spec(pool="p"), PLAN)) == ("started",)
+    (finish,) = s.of(fx.Finish)
+    assert finish.row.status is JobStatus.PENDING and finish.row.refund_attempt
+    assert len(s.of(fx.ReleaseKey)) == 1  # the key is still given back (or expires)
+
+
+def test_redis_away_at_a_lease_before_the_hold_goes_on_to_the_gate() -> None:
+    s = Script(LeaseKey=_away)
+    assert s.run(delivery.key_first((7, TOKEN), spec(pool="p"), PLAN)) is None
+    assert not s.of(fx.Start)
+
+
+@contextlib.contextmanager
+def _fresh_outages() -> Iterator[None]:
+    """The process's outage state, empty for the test and restored after it."""
+    saved = away.outages
+    away.outages = Outages(away.log, "key-pool calls")
+    try:
+        yield
+    finally:
+        away.outages = saved
 
 
 def test_a_closed_rate_limit_defers() -> None:
@@ -493,3 +591,17 @@ def test_no_call_no_count() -> None:
     s = Script(LeaseKey=lambda e: lease(), Start=lambda e: None)  # a duplicate delivery
     s.run(core.attempt(tracked(), costly(700), PLAN))
     assert s.of(fx.ReleaseKey) and not s.of(fx.CountUsage)
+
+
+def test_a_write_is_tried_again_at_once_then_after_doubling_pauses_within_its_patience() -> None:
+    now = [0.0]
+
+    def clock() -> float:
+        return now[0]
+
+    waits = []
+    for pause in patience.pauses(4.0, clock):
+        waits.append(pause)
+        now[0] += pause + 0.01  # the pause, then a try that fails in 10 ms
+    assert waits == [0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]  # at most 1 s apart
+    assert now[0] <= 4.0 + 1.0 and now[0] + 1.0 > 4.0  # no try is left within the 4 s

@@ -2,7 +2,7 @@
 harvest.maintenance.
 
 While Postgres, Redis or the broker is away, a tick that needs it fails quietly: the outage is
-logged once when it starts and once when it ends, with a count (harvest.worker.outage), not
+logged once when it starts and once when it ends, with a count (harvest.outage), not
 with a traceback per tick. Every tick is safe to skip: the next one does its work."""
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from collections.abc import Callable
 
 from harvest import dispatcher, maintenance, schedules
 from harvest.broker import DISPATCH_TASK, RESCUE_TASK
+from harvest.outage import BROKER, POSTGRES, REDIS, Outages, service_of
 from harvest.worker import runtime
 from harvest.worker.app import app, settings
-from harvest.worker.outage import BROKER, POSTGRES, REDIS, Outages, service_of
 
 log = logging.getLogger(__name__)
 # Ticks are harvest's plumbing: out of Celery's event stream (Flower) unless asked for.
@@ -55,7 +55,7 @@ def maintain() -> int:
 
 
 def tick(name: str, work: Callable[[], int]) -> int:
-    """Run one tick; a service's absence is counted (see harvest.worker.outage), not raised."""
+    """Run one tick; a service's absence is counted (see harvest.outage), not raised."""
     try:
         done = work()
     except Exception as exc:

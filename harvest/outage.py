@@ -89,6 +89,11 @@ class Outages:
                 self.what,
             )
 
+    def any(self) -> bool:
+        """Whether any service is away (without the lock: for hot paths to skip
+        :meth:`answered` when nothing is)."""
+        return bool(self._away)
+
     def away(self, service: str) -> bool:
         with self._lock:
             return service in self._away

@@ -1,0 +1,37 @@
+"""How long one statement is tried again while Postgres does not answer: one policy for the
+blocking shell (:meth:`~harvest.execution.sync_shell.SyncShell.db`) and the grouped writer of
+the asyncio shell (:meth:`~harvest.execution.writer.Writer.run`); only the waiting differs.
+
+A job's write that gives up too soon costs more than its wait: a finish that is not written
+leaves the job held until its lease expires, and rescue then runs again a call that was made.
+Tries go on for half the lease's time to live (the job's lease is not renewed while Postgres
+is away, and past its expiry rescue may take the job back, so the write could no longer land),
+the first again at once (a backend terminated under one connection: the pool's next one
+answers), then after pauses doubling from 50 ms to 1 s. Every statement is fenced by its lease
+token, so a try of one that did land changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+log = logging.getLogger("harvest.runner")
+
+FIRST, LONGEST = 0.05, 1.0
+
+
+def pauses(patience: float, clock: Callable[[], float] = time.monotonic) -> Iterator[float]:
+    """The pauses before each try again, while the try would start within ``patience``
+    seconds of the first: 0, then 50 ms doubling to at most 1 s."""
+    deadline = clock() + patience
+    pause = 0.0
+    while clock() + pause <= deadline:
+        yield pause
+        pause = min(max(pause * 2, FIRST), LONGEST)
+
+
+def retrying(exc: BaseException, pause: float) -> None:
+    """Log a try again (the type only: a driver's message may carry the URL)."""
+    log.warning("write failed (%s); retrying in %.2fs", type(exc).__name__, pause)
