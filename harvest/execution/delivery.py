@@ -16,9 +16,8 @@ from typing import TYPE_CHECKING, Any
 
 from harvest.coordination import fallback
 from harvest.coordination.key_state import Lease
+from harvest.execution import away, sql
 from harvest.execution import effects as fx
-from harvest.execution import sql
-from harvest.execution.away import REDIS_AWAY
 from harvest.execution.core import Plan, not_started
 from harvest.jobs import Started
 
@@ -65,10 +64,11 @@ def key_first(
     asked_at = yield fx.Clock()
     try:
         lease = yield fx.LeaseKey(fallback.pools(spec.pool)[0], f"{plan.worker}:{pair[0]}", 0)
-    except REDIS_AWAY:
+    except away.REDIS_AWAY:
         return None  # the gate meets it again and steps the job back (``core.attempt``)
     if not isinstance(lease, Lease):
         return None
+    away.answered()  # Redis answers (again): an outage's end is logged
     try:
         answer = yield fx.Start(*pair)
     except Exception:  # the write failed: the key goes back now, not when its lease expires

@@ -329,10 +329,21 @@ def test_redis_away_after_the_call_still_writes_the_outcome(error: Exception, ef
     assert len(s.of(fx.ReleaseKey)) == 1  # the key is still given back (or expires)
 
 
-def test_redis_away_at_a_lease_before_the_hold_goes_on_to_the_gate() -> None:
-    s = Script(LeaseKey=_away)
-    assert s.run(delivery.key_first((7, TOKEN), spec(pool="p"), PLAN)) is None
-    assert not s.of(fx.Start)
+def test_redis_away_at_a_lease_before_the_hold_goes_on_to_the_gate(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level("WARNING", "harvest.runner")
+    with _fresh_outages():
+        s = Script(LeaseKey=_away)
+        assert s.run(delivery.key_first((7, TOKEN), spec(pool="p"), PLAN)) is None
+        assert not s.of(fx.Start)
+        gated = Script(LeaseKey=_away, Defer=lambda e: True)  # the gate meets it, and says so
+        assert gated.run(core.attempt(tracked(), spec(pool="p"), PLAN)) == ("deferred",)
+        back = Script(LeaseKey=lambda e: lease(), Start=lambda e: started())
+        assert isinstance(back.run(delivery.key_first((7, TOKEN), spec(pool="p"), PLAN)),
+                          delivery.Keyed)  # fmt: skip
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and said[1].startswith("Redis answers again"), said
 
 
 @contextlib.contextmanager
