@@ -438,17 +438,19 @@ class AsyncShell:
         plan = tracking.renewal(self.tracked.values(), time.monotonic())
         if not plan.jobs:
             return
-        pairs = [(t.job_id, t.token) for t in plan.jobs]
-        held = await self.writer.run(sql.heartbeat(pairs, ttl=self.plan.lease_ttl))
-        lost, cancelled = tracking.settle(plan.jobs, held)
-        for job in [*lost, *cancelled]:
-            if job.handler is not None:
-                job.handler.cancel()  # a lost job's outcome is dropped; a cancelled one ends
         keyed = [(t, t.key_lease) for t in plan.keys if not t.lost and t.key_lease is not None]
-        if keyed:
-            sent_at = time.monotonic()
-            renewed = await self.gate.heartbeat_many([lease for _, lease in keyed])
-            tracking.keys_renewed(keyed, renewed, sent_at, self.plan.lease_ttl)
+        try:
+            if keyed:  # first, and whatever Postgres does: see tracking.renewal()
+                sent_at = time.monotonic()
+                renewed = await self.gate.heartbeat_many([lease for _, lease in keyed])
+                tracking.keys_renewed(keyed, renewed, sent_at, self.plan.lease_ttl)
+        finally:
+            pairs = [(t.job_id, t.token) for t in plan.jobs]
+            held = await self.writer.run(sql.heartbeat(pairs, ttl=self.plan.lease_ttl))
+            lost, cancelled = tracking.settle(plan.jobs, held)
+            for job in [*lost, *cancelled]:
+                if job.handler is not None:
+                    job.handler.cancel()  # a lost job's outcome is dropped; a cancelled one ends
 
     async def heartbeat_forever(self, interval: float) -> None:
         while True:

@@ -68,9 +68,12 @@ class HeartbeatThread:
         self._wedged = False
         if not plan.jobs:
             return
-        held = self.shell.db(sql.heartbeat([(t.job_id, t.token) for t in plan.jobs], ttl=self.ttl))
-        tracking.settle(plan.jobs, held)
-        self._renew_keys(plan.keys)
+        try:
+            self._renew_keys(plan.keys)  # first, and whatever Postgres does: see renewal()
+        finally:
+            pairs = [(t.job_id, t.token) for t in plan.jobs]
+            held = self.shell.db(sql.heartbeat(pairs, ttl=self.ttl))
+            tracking.settle(plan.jobs, held)
 
     def _renew_keys(self, jobs: list[Tracked]) -> None:
         pairs = [(t, t.key_lease) for t in jobs if not t.lost and t.key_lease is not None]

@@ -99,7 +99,13 @@ class Renewal:
 def renewal(tracked: Iterable[Tracked], now: float) -> Renewal:
     """The leases a round renews: every job held or running, except those lost, ending or
     ended. ``wedged``: a blocking handler ran past its deadline (plus grace) where no signal
-    reached it; the caller then renews nothing, so rescue takes the process's jobs back."""
+    reached it; the caller then renews nothing, so rescue takes the process's jobs back.
+
+    Both shells renew the key leases first (Redis), then the job leases (one statement), and
+    the keys whatever that statement does: a handler that runs holds its key and may call with
+    it, so its key lease must not lapse while Postgres is away (a write there is tried for up
+    to half the lease, :mod:`~harvest.execution.patience`); a key whose lease lapsed could go
+    to another job and the service would see more calls on it than its concurrency."""
     every = list(tracked)
     jobs = [t for t in every if not (t.lost or t.finishing or t.ended)]
     wedged = [t for t in every if t.deadline <= now and not (t.finishing or t.ended)]
