@@ -399,8 +399,7 @@ def _pool_states(app: Harvest, pool: str) -> list[KeyState]:
                 type(exc).__name__,
             )
         return []
-    if _outages.any():
-        _outages.answered(REDIS)
+    _outages.answered(REDIS)
     return states
 
 

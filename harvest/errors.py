@@ -190,7 +190,9 @@ class Retry(HarvestError):
 
 
 class LeaseLost(HarvestError):
-    """A fenced write matched nothing: another attempt owns the job (or the lock) now."""
+    """This attempt no longer holds its leases (paused or cut off past them, or Redis does not
+    answer the key check): raised by ``ctx.client()`` / ``ctx.check_lease()`` before a call
+    with the key, which is not made. The job retries without using an attempt."""
 
 
 class GetOrCreateConflict(HarvestError):

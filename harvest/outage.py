@@ -77,7 +77,10 @@ class Outages:
         )
 
     def answered(self, service: str) -> None:
-        """``service`` answered (a tick that needs it succeeded)."""
+        """``service`` answered (a tick that needs it succeeded). Nothing to do when no service
+        is away, read without the lock: hot paths (every key-pool call) call it."""
+        if not self._away:
+            return
         with self._lock:
             away = self._away.pop(service, None)
         if away is not None:
@@ -88,11 +91,6 @@ class Outages:
                 away.failures,
                 self.what,
             )
-
-    def any(self) -> bool:
-        """Whether any service is away (without the lock: for hot paths to skip
-        :meth:`answered` when nothing is)."""
-        return bool(self._away)
 
     def away(self, service: str) -> bool:
         with self._lock:

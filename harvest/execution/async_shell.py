@@ -221,6 +221,8 @@ class AsyncShell:
                 return await self.writer.finish(row, ran)
             case fx.ReleaseKey():
                 return await self._release(e)
+            case fx.RenewKey(lease):
+                return (await self.gate.heartbeat_many([lease]))[0]
             case fx.CountUsage(call):
                 return self.usage.add(call)
             case fx.Bump(name, n):
@@ -401,7 +403,7 @@ class AsyncShell:
         tracked = e.tracked
 
         async def key_check() -> bool:
-            return await self.key_still_held(tracked)
+            return await self.drive(tracking.key_still_held(tracked, self.plan.lease_ttl))
 
         return JobContext(
             job_id=e.job.id,
@@ -416,20 +418,6 @@ class AsyncShell:
             _used=tracked.used,
             _observe=tracked.observe,
         )
-
-    async def key_still_held(self, tracked: Tracked) -> bool:
-        """See :meth:`SyncShell.key_still_held`."""
-        if tracked.key_fresh(time.monotonic()):
-            return True
-        lease = tracked.key_lease
-        if lease is None or tracked.lost or tracked.ended:
-            return False
-        sent_at = time.monotonic()
-        if (await self.gate.heartbeat_many([lease]))[0]:
-            tracked.key_renewed(sent_at, self.plan.lease_ttl)
-            return True
-        log.warning("key lease on key %s of pool %r was lost", lease.key_id, lease.pool)
-        return False
 
     # --- heartbeat ------------------------------------------------------------------------
 

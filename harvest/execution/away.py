@@ -31,8 +31,7 @@ def failed(exc: BaseException, during: str) -> str:
 
 def answered() -> None:
     """A key-pool call succeeded: the end of an outage is logged (nothing when there was none)."""
-    if outages.any():
-        outages.answered(REDIS)
+    outages.answered(REDIS)
 
 
 @contextlib.contextmanager

@@ -51,7 +51,6 @@ MALFORMED = "malformed_messages_dropped"
 KEY_POLL = 0.25  # longest sleep between lease tries while waiting for a key
 MIN_WAIT = 0.05  # shortest delay of a deferral
 
-
 Attempt = Generator[fx.Effect, Any, tuple[str, ...]]
 """Yields effects; returns what became of the job, as counts to add: "started" (and "lost" too
 when its outcome was dropped), "suppressed" (a duplicate delivery), "lost" (taken back while it

@@ -157,6 +157,13 @@ class ReleaseKey:
 
 
 @dataclass(frozen=True, slots=True)
+class RenewKey:
+    """-> bool: renew the key lease for its TTL now (False: it is no longer held)."""
+
+    lease: Lease
+
+
+@dataclass(frozen=True, slots=True)
 class CountUsage:
     """-> None: add one call made with a key to the process's usage tally (memory, no I/O;
     :mod:`harvest.usage` writes it in time windows)."""
@@ -193,6 +200,7 @@ Effect = (
     | DisableKey
     | Finish
     | ReleaseKey
+    | RenewKey
     | CountUsage
     | Bump
     | Notify

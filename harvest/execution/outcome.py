@@ -15,7 +15,15 @@ import traceback as tb
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from harvest.errors import JobTimeout, KeyRejected, PermanentError, RateLimited, Retry, UnknownJob
+from harvest.errors import (
+    JobTimeout,
+    KeyRejected,
+    LeaseLost,
+    PermanentError,
+    RateLimited,
+    Retry,
+    UnknownJob,
+)
 from harvest.models import JobStatus
 from harvest.redact import mask_secret, redact_text
 from harvest.retry import RetryPolicy, should_retry
@@ -126,7 +134,9 @@ def raised(
 
     ``cancelled``: someone asked to cancel the job (it ends cancelled, whatever it raised).
     ``keyed``: the attempt held an API key, so a RateLimited / KeyRejected is the key's fault:
-    the key rests or is disabled and the job retries on another key without using an attempt.
+    the key rests or is disabled and the job retries on another key without using an attempt;
+    so does a LeaseLost (the key check before a call found the key lease gone, or could not
+    ask Redis: no call was made with it), after ``retry_base`` seconds.
     Otherwise ``spec.retry_on`` decides (PermanentError and TypeError never retry; ``Retry``
     always does, after its own delay if it gives one), while attempts remain."""
     error, trace = _texts(exc, secret)
@@ -147,6 +157,15 @@ def raised(
             retry_delay=delay,
             refund_attempt=True,
             key_action=action,
+            error_type=kind,
+        )
+    if keyed and isinstance(exc, LeaseLost):
+        return Outcome(
+            JobStatus.PENDING,
+            error=error,
+            traceback=trace,
+            retry_delay=retry_base,
+            refund_attempt=True,
             error_type=kind,
         )
     if retryable(spec, exc) and should_retry(job.attempt, job.max_attempts):

@@ -16,6 +16,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
 
 log = logging.getLogger("harvest.runner")
 
@@ -30,6 +33,17 @@ def pauses(patience: float, clock: Callable[[], float] = time.monotonic) -> Iter
     while clock() + pause <= deadline:
         yield pause
         pause = min(max(pause * 2, FIRST), LONGEST)
+
+
+def unanswered(exc: BaseException, conn: Any) -> bool:
+    """Whether ``exc``, raised by psycopg while a statement was tried on ``conn`` (None: while
+    a connection was being had), says Postgres did not answer, so the statement is worth
+    trying again: none could be had, or the one it ran on broke. On a connection that still
+    works an OperationalError is the statement's own failure (a statement timeout, a
+    cancelled query), and a second try would only fail again."""
+    if not isinstance(exc, psycopg.OperationalError):
+        return False
+    return conn is None or bool(conn.broken)
 
 
 def retrying(exc: BaseException, pause: float) -> None:

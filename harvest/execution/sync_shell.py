@@ -25,7 +25,7 @@ from harvest.clients import ClientPool
 from harvest.context import JobContext
 from harvest.coordination.key_pool import Lease
 from harvest.errors import JobTimeout
-from harvest.execution import core, handoff, limits, patience, sql
+from harvest.execution import core, handoff, limits, patience, sql, tracking
 from harvest.execution import effects as fx
 from harvest.execution.heartbeat import HeartbeatThread
 from harvest.execution.observe import Received, notify
@@ -328,6 +328,8 @@ class SyncShell:
                 self.gate.release(lease, used, succeeded, announced)
                 self._wake_one(lease.pool)
                 return None
+            case fx.RenewKey(lease):
+                return self.gate.heartbeat_many([lease])[0]
             case fx.CountUsage(call):
                 return self.usage.add(call)
             case fx.Bump(name, n):
@@ -372,8 +374,8 @@ class SyncShell:
                 if not driver.closed:
                     driver.autocommit = False  # as the pool's other users expect it
         except psycopg.OperationalError as exc:
-            if not driver.broken:
-                raise  # the statement failed, not the connection (a timeout, say)
+            if not patience.unanswered(exc, driver):
+                raise
             pooled.invalidate()
             self.app.engine.dispose(close=False)  # its pool-mates died with it
             raise _Away(exc) from exc
@@ -420,26 +422,15 @@ class SyncShell:
             key=e.secret,
             lease=e.lease,
             clients=self.clients,
-            _lease_check=(lambda: self.key_still_held(tracked)) if e.lease is not None else None,
+            _lease_check=(
+                (lambda: self.drive(tracking.key_still_held(tracked, self.plan.lease_ttl)))
+                if e.lease is not None
+                else None
+            ),
             _cancel=tracked.cancel,
             _used=tracked.used,
             _observe=tracked.observe,
         )
-
-    def key_still_held(self, tracked: Tracked) -> bool:
-        """Before a call with the key: no I/O while the lease was renewed recently; else ask
-        Redis (a process paused past its lease fails here and does not call)."""
-        if tracked.key_fresh(time.monotonic()):
-            return True
-        lease = tracked.key_lease
-        if lease is None or tracked.lost or tracked.ended:
-            return False
-        sent_at = time.monotonic()
-        if self.gate.heartbeat_many([lease])[0]:
-            tracked.key_renewed(sent_at, self.plan.lease_ttl)
-            return True
-        log.warning("key lease on key %s of pool %r was lost", lease.key_id, lease.pool)
-        return False
 
     def _expire(self, e: fx.RunHandler) -> None:
         """In the watchdog thread, at a threaded handler's deadline."""

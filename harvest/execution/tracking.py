@@ -12,10 +12,12 @@ import logging
 import math
 import threading
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from harvest.execution import away
+from harvest.execution import effects as fx
 from harvest.jobs import Started
 from harvest.service_limits import Announced, announced
 
@@ -85,6 +87,30 @@ class Tracked:
         """True when the key lease is surely still held, with no I/O: renewed recently, and
         this attempt neither lost nor ended. A paused process fails this on resume."""
         return not (self.lost or self.ended) and now < self.key_fresh_until
+
+
+def key_still_held(tracked: Tracked, ttl: float) -> Generator[fx.Effect, Any, bool]:
+    """Before a call with the key (``ctx.client()``, ``ctx.check_lease()``): no I/O while the
+    lease was renewed lately; else it is renewed in Redis first. A process paused past its
+    lease fails here and does not call; so does one whose Redis does not answer (it cannot
+    tell whether the key is still its own). Driven by either shell."""
+    now = yield fx.Clock()
+    if tracked.key_fresh(now):
+        return True
+    lease = tracked.key_lease
+    if lease is None or tracked.lost or tracked.ended:
+        return False
+    try:
+        held = yield fx.RenewKey(lease)
+    except away.REDIS_AWAY as exc:
+        away.failed(exc, "checking a key lease before a call")
+        return False
+    away.answered()
+    if held:
+        tracked.key_renewed(now, ttl)
+        return True
+    log.warning("key lease on key %s of pool %r was lost", lease.key_id, lease.pool)
+    return False
 
 
 @dataclass(frozen=True, slots=True)

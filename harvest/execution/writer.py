@@ -127,11 +127,12 @@ class Writer:
         (:mod:`~harvest.execution.patience`)."""
         waits = patience.pauses(self.patience)
         while True:
+            conn = None
             try:
                 async with self.pool.connection() as conn:
                     return await sql.arun(conn, query)
             except psycopg.OperationalError as exc:
-                pause = next(waits, None)
+                pause = next(waits, None) if patience.unanswered(exc, conn) else None
                 if pause is None:
                     raise
                 patience.retrying(exc, pause)

@@ -8,12 +8,13 @@ import uuid
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
+import psycopg
 import pytest
 import redis
 
 from harvest.app import JobSpec
 from harvest.coordination.key_pool import Busy, Lease
-from harvest.errors import KeyRejected, RateLimited
+from harvest.errors import KeyRejected, LeaseLost, RateLimited
 from harvest.execution import away, core, delivery, patience, tracking
 from harvest.execution import effects as fx
 from harvest.execution.observe import AttemptEnded, AttemptStarted, Deferred
@@ -357,6 +358,49 @@ def _fresh_outages() -> Iterator[None]:
         away.outages = saved
 
 
+@pytest.mark.parametrize(
+    ("renewal", "held", "io"),
+    [
+        ("fresh", True, False),  # renewed lately: trusted without asking Redis
+        ("renewed", True, True),  # stale: asked, still ours, fresh again
+        ("taken", False, True),  # stale: asked, gone (a paused process): no call
+        ("away", False, True),  # stale: Redis does not answer: cannot tell, no call
+    ],
+)
+def test_the_key_check_before_a_call_asks_redis_only_when_the_lease_is_stale(
+    renewal: str, held: bool, io: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    t = tracked()
+    t.key_lease = lease(3)
+    t.key_renewed(sent_at=0.0, ttl=PLAN.lease_ttl)
+    answers = {"renewed": lambda e: True, "taken": lambda e: False, "away": _away}
+    s = Script(RenewKey=answers.get(renewal, lambda e: True))
+    s.clock = 1.0 if renewal == "fresh" else PLAN.lease_ttl
+    caplog.set_level("WARNING")
+    with _fresh_outages():
+        assert s.run(tracking.key_still_held(t, PLAN.lease_ttl)) is held
+        assert away.outages.away(away.REDIS) is (renewal == "away")
+    assert [e.lease for e in s.of(fx.RenewKey)] == ([lease(3)] if io else [])
+    assert t.key_fresh(s.clock + 1.0) is (renewal in ("fresh", "renewed"))
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert ("key 3 of pool 'p' was lost" in said) is (renewal == "taken")
+    assert ("Redis does not answer" in said) is (renewal == "away")
+
+
+@pytest.mark.parametrize("max_attempts", [1, 3])
+def test_a_handler_stopped_by_its_key_check_retries_without_using_an_attempt(
+    max_attempts: int,
+) -> None:
+    # ctx.client() raised LeaseLost: no call was made with the key. Even a last attempt retries.
+    result = fx.HandlerResult(error=LeaseLost("this attempt's lease was lost"))
+    s = Script(LeaseKey=lambda e: lease(), Start=lambda e: started(max_attempts, max_attempts),
+               RunHandler=lambda e: result, Finish=lambda e: True)  # fmt: skip
+    s.run(core.attempt(tracked(), spec(pool="p", attempts=max_attempts), PLAN))
+    row = s.of(fx.Finish)[0].row
+    assert row.status is JobStatus.PENDING and row.refund_attempt
+    assert not s.of(fx.CoolKey) and not s.of(fx.DisableKey)
+
+
 def test_a_closed_rate_limit_defers() -> None:
     s = Script(RatePermit=lambda e: 4.0, Defer=lambda e: True)
     assert s.run(core.attempt(tracked(), spec(rate="1/s"), PLAN)) == ("deferred",)
@@ -616,3 +660,19 @@ def test_a_write_is_tried_again_at_once_then_after_doubling_pauses_within_its_pa
         now[0] += pause + 0.01  # the pause, then a try that fails in 10 ms
     assert waits == [0.0, 0.05, 0.1, 0.2, 0.4, 0.8, 1.0, 1.0]  # at most 1 s apart
     assert now[0] <= 4.0 + 1.0 and now[0] + 1.0 > 4.0  # no try is left within the 4 s
+
+
+class _Conn:
+    def __init__(self, broken: bool) -> None:
+        self.broken = broken
+
+
+def test_a_write_is_tried_again_only_when_postgres_did_not_answer() -> None:
+    # One predicate for both shells: no connection to be had, or the one used broke. A
+    # statement's own failure on a working connection (a timeout) is not tried again.
+    failed = psycopg.OperationalError("server closed the connection unexpectedly")
+    timeout = psycopg.errors.QueryCanceled("canceling statement due to statement timeout")
+    assert patience.unanswered(failed, None)
+    assert patience.unanswered(failed, _Conn(broken=True))
+    assert not patience.unanswered(timeout, _Conn(broken=False))
+    assert not patience.unanswered(psycopg.errors.UniqueViolation("dup"), _Conn(broken=True))
