@@ -222,7 +222,7 @@ def test_redis_stopped_under_the_key_pool_fails_no_job_and_raises_nothing(
     cluster.worker("schedule", concurrency=1)
     cluster.worker("execution", concurrency=2)
     cluster.beat()
-    n = 120  # 4 key slots, calls of 0.3 s: about 9 s; jobs are at their gate when Redis goes
+    n = 80  # 4 key slots, calls of 0.3 s: about 6 s; jobs are at their gate when Redis goes
     try:
         cluster.wait_ready()
         harvest = Harvest(keyed)
@@ -249,9 +249,5 @@ def test_redis_stopped_under_the_key_pool_fails_no_job_and_raises_nothing(
     assert schedule.count("Redis does not answer") == 1, schedule[-4000:]
     assert "capacity unknown" not in schedule
     assert "rebuilt from Postgres" in cluster.logs(tail=10**7)
-    # the dispatcher reads the pools' capacity every round: one line when Redis goes, not one
-    # per round and pool
-    assert schedule.count("Redis does not answer") == 1, schedule[-4000:]
-    assert "capacity unknown" not in schedule
     stray = [line for line in execution.splitlines() if "Traceback" in line or "unexpected" in line]
     assert not stray, execution[-6000:]  # a release that failed is a warning, not an error
