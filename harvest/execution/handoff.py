@@ -22,7 +22,7 @@ from harvest.coordination.key_state import Lease
 from harvest.execution import effects as fx
 from harvest.execution.tracking import KEY_MARGIN
 
-PASS_FOR = 1.0  # seconds after its grant a plain key lease may pass from job to job (was 0.1)
+PASS_FOR = 0.1  # seconds after its grant a plain key lease may pass from job to job
 PARK = 0.05  # seconds a lease that may pass waits in the asyncio shell for a job of its pool
 
 
