@@ -143,13 +143,8 @@ def raised(
     kind = type(exc).__name__
     if cancelled:
         return Outcome(JobStatus.CANCELLED, error=error, traceback=trace, error_type=kind)
-    if keyed and isinstance(exc, RateLimited | KeyRejected):
-        action = (
-            KeyAction(cooldown=max(exc.retry_after, 0.001))
-            if isinstance(exc, RateLimited)
-            else KeyAction(disable=True)
-        )
-        delay = exc.retry_after if isinstance(exc, RateLimited) else 0.0
+    if keyed and isinstance(exc, RateLimited | KeyRejected | LeaseLost):
+        action, delay = _key_fault(exc, retry_base)
         return Outcome(
             JobStatus.PENDING,
             error=error,
@@ -157,15 +152,6 @@ def raised(
             retry_delay=delay,
             refund_attempt=True,
             key_action=action,
-            error_type=kind,
-        )
-    if keyed and isinstance(exc, LeaseLost):
-        return Outcome(
-            JobStatus.PENDING,
-            error=error,
-            traceback=trace,
-            retry_delay=retry_base,
-            refund_attempt=True,
             error_type=kind,
         )
     if retryable(spec, exc) and should_retry(job.attempt, job.max_attempts):
@@ -177,6 +163,19 @@ def raised(
             error_type=kind,
         )
     return Outcome(JobStatus.FAILED, error=error, traceback=trace, error_type=kind)
+
+
+def _key_fault(
+    exc: RateLimited | KeyRejected | LeaseLost, retry_base: float
+) -> tuple[KeyAction | None, float]:
+    """What a key's fault does to the key, and how soon the job retries: a 429 rests the key
+    for its Retry-After; a refusal disables it (retry at once, on another key); a lost key
+    lease leaves the key alone (retry after ``retry_base``)."""
+    if isinstance(exc, RateLimited):
+        return KeyAction(cooldown=max(exc.retry_after, 0.001)), exc.retry_after
+    if isinstance(exc, KeyRejected):
+        return KeyAction(disable=True), 0.0
+    return None, retry_base
 
 
 def retryable(spec: JobSpec | None, exc: BaseException) -> bool:

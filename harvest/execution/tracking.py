@@ -106,11 +106,8 @@ def key_still_held(tracked: Tracked, ttl: float) -> Generator[fx.Effect, Any, bo
         away.failed(exc, "checking a key lease before a call")
         return False
     away.answered()
-    if held:
-        tracked.key_renewed(now, ttl)
-        return True
-    log.warning("key lease on key %s of pool %r was lost", lease.key_id, lease.pool)
-    return False
+    keys_renewed([(tracked, lease)], [held], now, ttl)
+    return bool(held)
 
 
 @dataclass(frozen=True, slots=True)
