@@ -32,6 +32,7 @@ from harvest.coordination.key_pool import (
 from harvest.coordination.rate_limit import AsyncRateLimiter, RateLimiter
 from harvest.coordination.turns import PerTurn
 from harvest.errors import PoolNotLoaded
+from harvest.execution.handoff import Faults
 from harvest.service_limits import Announced
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ class Gate:
         self._cipher: keystore.Cipher | None = None
         self._secrets: dict[int, str] = {}  # key id -> secret; a key's secret never changes
         self.last_used = keystore.LastUsedBuffer()
+        self.faults = Faults()  # the keys that answered 429 or were refused here: no passing
 
     def pool(self, name: str) -> KeyPool:
         pool = self._pools.get(name)
@@ -177,7 +179,9 @@ class Gate:
     def rate_limited(self, lease: Lease, seconds: float, exhausted: bool = False) -> None:
         """The service answered 429: rest the key (it comes back by itself), and lower its
         learned limits when its declared ones had room (see KeyPool.throttle)."""
-        done = self.pool(lease.pool).throttle(lease, seconds, exhausted=exhausted)
+        with self.faults.writing(lease, self.ttl) as fault:
+            done = self.pool(lease.pool).throttle(lease, seconds, exhausted=exhausted)
+            fault.until = done.until if done else None
         _lowered(lease, done)
         self.record_cooldown(lease, done.until if done else None, seconds)
 
@@ -185,7 +189,8 @@ class Gate:
         """The service refused the key (401/403): disable it in Redis and in Postgres (in
         Postgres even when Redis fails: a pool rebuilt from it leaves the key out)."""
         try:
-            self.pool(lease.pool).disable(lease.key_id)
+            with self.faults.writing(lease, self.ttl):
+                self.pool(lease.pool).disable(lease.key_id)
         finally:
             self.record_disabled(lease)
 
@@ -320,14 +325,17 @@ class AsyncGate:
         return result
 
     async def rate_limited(self, lease: Lease, seconds: float, exhausted: bool = False) -> None:
-        done = await self.pool(lease.pool).throttle(lease, seconds, exhausted=exhausted)
+        with self.gate.faults.writing(lease, self.gate.ttl) as fault:
+            done = await self.pool(lease.pool).throttle(lease, seconds, exhausted=exhausted)
+            fault.until = done.until if done else None
         _lowered(lease, done)
         until = done.until if done else None
         await asyncio.to_thread(self.gate.record_cooldown, lease, until, seconds)
 
     async def rejected(self, lease: Lease) -> None:
         try:
-            await self.pool(lease.pool).disable(lease.key_id)
+            with self.gate.faults.writing(lease, self.gate.ttl):
+                await self.pool(lease.pool).disable(lease.key_id)
         finally:
             await asyncio.to_thread(self.gate.record_disabled, lease)
 

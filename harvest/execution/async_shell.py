@@ -108,7 +108,9 @@ class AsyncShell:
         self.tracked: dict[int, Tracked] = {}
         self._waiting: dict[str, collections.deque[Waiter]] = {}  # by pool, oldest first
         self._probes: dict[str, asyncio.Task[None]] = {}  # by pool, while jobs wait for it
-        self.parked = Parking(lambda done: self._release(done, park=False), plan.lease_ttl)
+        self.parked = Parking(
+            lambda done: self._release(done, park=False), plan.lease_ttl, gate.faults
+        )
 
     # --- a message ------------------------------------------------------------------------
 
@@ -304,7 +306,8 @@ class AsyncShell:
         that admits the call, a job that waits for this pool alone keeps its place in line."""
         lease, ttl = done.lease, self.plan.lease_ttl
         now = time.time()
-        passable = park and handoff.passable(done, now, ttl)
+        faults = self.gate.gate.faults
+        passable = park and handoff.passable(done, now, ttl, faults=faults)
         waiter = self._next_waiter(lease.pool)
         if waiter is None:
             if passable:
@@ -312,7 +315,7 @@ class AsyncShell:
             else:
                 await self.gate.release(lease, done.used, done.succeeded, done.announced)
             return
-        if passable and handoff.takes_over(lease, lease.pool, waiter.cost, now, ttl):
+        if passable and handoff.takes_over(lease, lease.pool, waiter.cost, now, ttl, faults=faults):
             self.gate.reused(lease)
             waiter.handed.set_result(lease)
             return

@@ -8,25 +8,75 @@ decision is pure (:func:`passable`, :func:`takes_over`), shared by both shells: 
 shell passes a lease to the next job of its message (``SyncShell.release_then_lease``), the
 asyncio shell to a job of this process waiting for the pool or, through :class:`Parking`, to
 one that asks within :data:`PARK` seconds.
+
+A key that answers 429 or is refused in this process stops its older leases here from passing
+(:class:`Faults`): each goes back to Redis, which knows the key cools, is disabled or has had
+its limits lowered, instead of passing on for the rest of its :data:`PASS_FOR`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import math
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from harvest.coordination.key_state import Lease
 from harvest.execution import effects as fx
 from harvest.execution.tracking import KEY_MARGIN
 
-PASS_FOR = 0.1  # seconds after its grant a plain key lease may pass from job to job
+PASS_FOR = 1.0  # seconds after its grant a plain key lease may pass from job to job
 PARK = 0.05  # seconds a lease that may pass waits in the asyncio shell for a job of its pool
 
 
-def passable(done: fx.ReleaseKey, now: float, ttl: float) -> bool:
+@dataclass(slots=True)
+class Fault:
+    until: float | None = None  # the end of the cooldown a 429 began, Redis clock
+
+
+class Faults:
+    """The keys that answered 429 or were refused in this process, each with the time (Redis
+    clock) a lease of it must have been granted at or after to pass on. For a 429 that is the
+    end of the cooldown it began (Redis grants the key to nobody before, so every lease of it
+    granted earlier was granted before the 429, and none after is held back); for a refusal,
+    or a cooldown whose end Redis did not say, a lease TTL past this process's clock. While a
+    fault is being written to Redis, no lease of its key passes at all. One per process, shared
+    by its jobs (:class:`~harvest.gate.Gate`); each change is one dict operation under the GIL."""
+
+    def __init__(self) -> None:
+        self._after: dict[tuple[str, int], float] = {}
+        self._writing: collections.Counter[tuple[str, int]] = collections.Counter()
+
+    @contextlib.contextmanager
+    def writing(self, lease: Lease, ttl: float) -> Iterator[Fault]:
+        """The key of ``lease`` answered 429 or was refused: around writing that to Redis.
+        Set ``until`` on what it gives: the end of the cooldown the write began (Redis clock),
+        when Redis said."""
+        key, fault = (lease.pool, lease.key_id), Fault()
+        self._writing[key] += 1
+        try:
+            yield fault
+        finally:
+            self._writing[key] -= 1
+            if self._writing[key] <= 0:
+                del self._writing[key]
+            now = time.time()
+            after = fault.until if fault.until is not None else now + ttl
+            self._after[key] = max(after, self._after.get(key, -math.inf))
+            for old in [k for k, t in self._after.items() if t < now - PASS_FOR - ttl]:
+                del self._after[old]  # every lease granted before it is too old to pass anyway
+
+    def clear(self, lease: Lease) -> bool:
+        """Whether ``lease`` was granted after every fault of its key seen in this process."""
+        key = (lease.pool, lease.key_id)
+        return key not in self._writing and lease.granted_at >= self._after.get(key, -math.inf)
+
+
+def passable(done: fx.ReleaseKey, now: float, ttl: float, *, faults: Faults) -> bool:
     """Whether a key lease given back may pass as it is to another job of this process,
     without going back to Redis and being leased again: the key is bound by its concurrency
     alone (at its grant it had no rate limit, token budget, learned limit or announcement:
@@ -35,11 +85,12 @@ def passable(done: fx.ReleaseKey, now: float, ttl: float) -> bool:
     stays what it was, one call of this process. What the process does not see is a cooldown
     or a disable another process or an operator puts on the key meanwhile: it may still be used
     until the lease is no longer young, :data:`PASS_FOR` after its grant at most, as a job
-    that leased it just before would."""
+    that leased it just before would; what this process sees (a 429 or a refusal of the key:
+    ``faults``) stops the leases of the key it holds from passing at once."""
     lease = done.lease
     return (
         lease.plain
-        and young(lease, now, ttl)
+        and young(lease, now, ttl, faults=faults)
         and done.succeeded
         and lease.cost == 0
         and not done.used
@@ -47,29 +98,36 @@ def passable(done: fx.ReleaseKey, now: float, ttl: float) -> bool:
     )
 
 
-def young(lease: Lease, now: float, ttl: float) -> bool:
+def young(lease: Lease, now: float, ttl: float, *, faults: Faults) -> bool:
     """Whether a job may take ``lease`` over as freshly leased (``now``: the epoch): within
     :data:`PASS_FOR` of its grant on the Redis clock (and half of the key margin of the TTL,
     should that be less). The job trusts it for the TTL less the margin from now
     (:data:`~harvest.execution.tracking.KEY_MARGIN`), which its expiry in Redis, at least the
     grant plus the TTL, then still covers; a process paused past that asks Redis again. A
     clock behind Redis's (a negative age) passes nothing: a skewed clock can make passing
-    rarer, never longer."""
+    rarer, never longer. A lease granted before a 429 or refusal of its key in this process
+    (:class:`Faults`) is never young."""
     age = now - lease.granted_at
-    return 0.0 <= age <= min(PASS_FOR, ttl * KEY_MARGIN / 2)
+    return 0.0 <= age <= min(PASS_FOR, ttl * KEY_MARGIN / 2) and faults.clear(lease)
 
 
-def takes_over(lease: Lease, pool: str, cost: int, now: float, ttl: float) -> bool:
+def takes_over(
+    lease: Lease, pool: str, cost: int, now: float, ttl: float, *, faults: Faults
+) -> bool:
     """Whether a job asking for a key of ``pool`` with ``cost`` tokens may take over
     ``lease``, a :func:`passable` one given back by a job before it."""
-    return lease.pool == pool and cost == 0 and young(lease, now, ttl)
+    return lease.pool == pool and cost == 0 and young(lease, now, ttl, faults=faults)
 
 
-def passes_on(done: fx.ReleaseKey, pool: str, cost: int, now: float, ttl: float) -> bool:
+def passes_on(
+    done: fx.ReleaseKey, pool: str, cost: int, now: float, ttl: float, *, faults: Faults
+) -> bool:
     """Whether the key ``done`` gives back passes to the job asking for a key of ``pool``
     with ``cost`` tokens (the next job of a sync message; an async job that waits, or comes
     soon after), with no Redis round trip."""
-    return passable(done, now, ttl) and takes_over(done.lease, pool, cost, now, ttl)
+    return passable(done, now, ttl, faults=faults) and takes_over(
+        done.lease, pool, cost, now, ttl, faults=faults
+    )
 
 
 class Parking:
@@ -78,9 +136,12 @@ class Parking:
     job of its pool took it over within :data:`PARK` seconds."""
 
     def __init__(
-        self, give_back: Callable[[fx.ReleaseKey], Coroutine[Any, Any, None]], ttl: float
+        self,
+        give_back: Callable[[fx.ReleaseKey], Coroutine[Any, Any, None]],
+        ttl: float,
+        faults: Faults,
     ) -> None:
-        self._give_back, self.ttl = give_back, ttl
+        self._give_back, self.ttl, self.faults = give_back, ttl, faults
         self._parked: dict[str, collections.deque[tuple[fx.ReleaseKey, float]]] = {}
         self._timers: set[str] = set()  # pools with a timer to give back what waited out
         self._tasks: set[asyncio.Task[None]] = set()
@@ -101,7 +162,7 @@ class Parking:
         now = time.time()
         while parked:
             done, _ = parked.pop()
-            if takes_over(done.lease, pool, cost, now, self.ttl):
+            if takes_over(done.lease, pool, cost, now, self.ttl, faults=self.faults):
                 return done.lease
             self._send_back(done)
         return None

@@ -270,7 +270,8 @@ class SyncShell:
         """The job before's key given back and the next job's lease, in one round trip; or,
         where the key's limits allow, no round trip at all: the lease passes to the next job
         (:func:`harvest.execution.handoff.passes_on`)."""
-        if handoff.passes_on(done, e.pool, e.cost, time.time(), self.plan.lease_ttl):
+        now, ttl = time.time(), self.plan.lease_ttl
+        if handoff.passes_on(done, e.pool, e.cost, now, ttl, faults=self.gate.faults):
             self.gate.reused(done.lease)
             return done.lease
         result = self.gate.release_then_lease(

@@ -17,6 +17,9 @@ def plain(granted_at: float = 1000.0, token: str = "tok", **kw: Any) -> Lease:
     return Lease("p", 3, token, 5, granted_at + 30.0, granted_at=granted_at, plain=True, **kw)
 
 
+NONE = handoff.Faults()  # no key answered 429 or was refused
+
+
 def given_back(lease: Lease, **kw: Any) -> fx.ReleaseKey:
     return fx.ReleaseKey(lease, **{"used": 0, "succeeded": True, **kw})
 
@@ -36,13 +39,13 @@ def test_a_plain_lease_passes_on_only_while_young_by_the_redis_clock(
     """A clock behind Redis's (a negative age) passes nothing: skew makes passing rarer,
     never longer than PASS_FOR after the grant."""
     done = given_back(plain())
-    assert handoff.passes_on(done, "p", 0, 1000.0 + age, 30.0) is passes
+    assert handoff.passes_on(done, "p", 0, 1000.0 + age, 30.0, faults=NONE) is passes
 
 
 def test_a_short_ttl_shortens_how_long_a_lease_passes() -> None:
     done = given_back(plain())
-    assert handoff.passes_on(done, "p", 0, 1000.05, 30.0)
-    assert not handoff.passes_on(done, "p", 0, 1000.05, 0.4)  # 0.4 x 0.2 / 2 = 0.04 s
+    assert handoff.passes_on(done, "p", 0, 1000.05, 30.0, faults=NONE)
+    assert not handoff.passes_on(done, "p", 0, 1000.05, 0.4, faults=NONE)  # 0.4 x 0.2 / 2 = 0.04 s
 
 
 @pytest.mark.parametrize(
@@ -57,14 +60,14 @@ def test_a_short_ttl_shortens_how_long_a_lease_passes() -> None:
 def test_a_lease_that_is_not_plain_or_whose_call_went_wrong_goes_back_to_redis(
     done: fx.ReleaseKey,
 ) -> None:
-    assert not handoff.passable(done, 1000.01, 30.0)
+    assert not handoff.passable(done, 1000.01, 30.0, faults=NONE)
 
 
 def test_a_lease_passes_only_to_a_job_of_its_pool_that_reserves_no_tokens() -> None:
     done = given_back(plain())
-    assert handoff.passes_on(done, "p", 0, 1000.01, 30.0)
-    assert not handoff.passes_on(done, "other", 0, 1000.01, 30.0)
-    assert not handoff.passes_on(done, "p", 10, 1000.01, 30.0)
+    assert handoff.passes_on(done, "p", 0, 1000.01, 30.0, faults=NONE)
+    assert not handoff.passes_on(done, "other", 0, 1000.01, 30.0, faults=NONE)
+    assert not handoff.passes_on(done, "p", 10, 1000.01, 30.0, faults=NONE)
 
 
 def test_a_parked_lease_goes_to_the_next_job_of_its_pool_or_back_to_redis_after_park() -> None:
@@ -80,7 +83,7 @@ def test_a_parked_lease_goes_to_the_next_job_of_its_pool_or_back_to_redis_after_
         import time
 
         now = time.time()
-        parking = handoff.Parking(give_back, 30.0)
+        parking = handoff.Parking(give_back, 30.0, handoff.Faults())
         a, b = plain(now), plain(now, token="b")
         c = Lease("p", 4, "c", 6, now + 30, granted_at=now, plain=True)
         parking.park(given_back(a))
@@ -99,3 +102,35 @@ def test_a_parked_lease_goes_to_the_next_job_of_its_pool_or_back_to_redis_after_
         assert back == [a, b, c] and parking.take("p", 0) is None
 
     asyncio.run(scenario())
+
+
+def test_a_429_or_a_refusal_in_this_process_stops_the_older_leases_of_its_key_passing() -> None:
+    """A lease granted before its key's 429 goes back to Redis (which knows the key cools and
+    may have lowered its limits) however young; one granted after the cooldown it began
+    passes; while the fault is being written no lease of the key passes; other keys pass on."""
+    import time
+
+    faults, t = handoff.Faults(), time.time()
+    before, other_key = plain(t), Lease("p", 4, "o", 1, t + 30, granted_at=t, plain=True)
+    with faults.writing(before, 30.0) as fault:
+        assert not handoff.passes_on(
+            given_back(plain(t + 0.5)), "p", 0, t + 0.6, 30.0, faults=faults
+        )
+        fault.until = t + 0.2  # the cooldown the 429 began ends then (Redis clock)
+    assert not handoff.passes_on(given_back(before), "p", 0, t + 0.3, 30.0, faults=faults)
+    assert handoff.passes_on(given_back(plain(t + 0.2)), "p", 0, t + 0.3, 30.0, faults=faults)
+    assert handoff.passes_on(given_back(other_key), "p", 0, t + 0.3, 30.0, faults=faults)
+
+
+def test_a_fault_whose_cooldown_end_is_not_known_holds_its_key_back_a_ttl() -> None:
+    """A refusal (or a 429 Redis did not answer): every lease of the key granted up to a TTL
+    past this process's clock is held back, and the fault is kept even when writing it failed."""
+    import time
+
+    faults, now = handoff.Faults(), time.time()
+    with pytest.raises(ConnectionError), faults.writing(plain(now), 30.0):
+        raise ConnectionError("Redis away")
+    assert not handoff.passes_on(
+        given_back(plain(now + 0.5)), "p", 0, now + 0.6, 30.0, faults=faults
+    )
+    assert handoff.passes_on(given_back(plain(now + 31)), "p", 0, now + 31.1, 30.0, faults=faults)
