@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import uuid
 from collections.abc import Generator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from harvest.context import CancelFlag
 from harvest.execution import away
 from harvest.execution import effects as fx
 from harvest.jobs import Started
@@ -38,7 +38,7 @@ class Tracked:
     started: Started | None = None  # its attempt, once begun (before its key, when it waits)
     max_attempts: int = 0  # attempts it is allowed (0: not known)
     deadline: float = math.inf  # monotonic; a blocking handler past it means a wedged process
-    cancel: threading.Event = field(default_factory=threading.Event)
+    cancel: CancelFlag = field(default_factory=CancelFlag)
     lost: bool = False  # its lease was taken back: its outcome will be dropped
     finishing: bool = False  # its ending is being written: a heartbeat that misses it is no news
     ended: bool = False  # ended at its deadline while its handler ran on (a thread cannot be
