@@ -20,6 +20,7 @@ import asyncio
 import collections
 import contextlib
 import math
+import threading
 import time
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass
@@ -45,11 +46,14 @@ class Faults:
     granted earlier was granted before the 429, and none after is held back); for a refusal,
     or a cooldown whose end Redis did not say, a lease TTL past this process's clock. While a
     fault is being written to Redis, no lease of its key passes at all. One per process, shared
-    by its jobs (:class:`~harvest.gate.Gate`); each change is one dict operation under the GIL."""
+    by its jobs (:class:`~harvest.gate.Gate`): a fault's changes are made under a lock (a
+    thread pool's jobs may fault one key at once, and a fault is rare); checking a lease is
+    two reads."""
 
     def __init__(self) -> None:
         self._after: dict[tuple[str, int], float] = {}
         self._writing: collections.Counter[tuple[str, int]] = collections.Counter()
+        self._lock = threading.Lock()  # a thread pool's jobs may fault the same key at once
 
     @contextlib.contextmanager
     def writing(self, lease: Lease, ttl: float) -> Iterator[Fault]:
@@ -57,18 +61,20 @@ class Faults:
         Set ``until`` on what it gives: the end of the cooldown the write began (Redis clock),
         when Redis said."""
         key, fault = (lease.pool, lease.key_id), Fault()
-        self._writing[key] += 1
+        with self._lock:
+            self._writing[key] += 1
         try:
             yield fault
         finally:
-            self._writing[key] -= 1
-            if self._writing[key] <= 0:
-                del self._writing[key]
             now = time.time()
             after = fault.until if fault.until is not None else now + ttl
-            self._after[key] = max(after, self._after.get(key, -math.inf))
-            for old in [k for k, t in self._after.items() if t < now - PASS_FOR - ttl]:
-                del self._after[old]  # every lease granted before it is too old to pass anyway
+            with self._lock:
+                self._after[key] = max(after, self._after.get(key, -math.inf))
+                for old in [k for k, t in self._after.items() if t < now - PASS_FOR - ttl]:
+                    del self._after[old]  # every lease granted before it is too old to pass
+                self._writing[key] -= 1
+                if self._writing[key] <= 0:
+                    del self._writing[key]
 
     def clear(self, lease: Lease) -> bool:
         """Whether ``lease`` was granted after every fault of its key seen in this process."""
