@@ -38,6 +38,9 @@ def test_a_postgres_outage_is_logged_once_with_a_count(
         cluster.worker("execution", concurrency=1)
         cluster.beat()
         cluster.wait_ready()
+        # beat checks Postgres after it logs its start: a database closed before that check
+        # stops beat (no ticks, no outage to log), so close it once beat is sending ticks
+        wait_until(lambda: lines_with(tmp_path, "beat", "Sending due task"), 30, what="a tick")
         close_database(name, closed=True)
         time.sleep(5)  # 10 dispatch ticks (every 0.5 s), rescue ticks every 1 s
         close_database(name, closed=False)
