@@ -183,7 +183,7 @@ class Gate:
             done = self.pool(lease.pool).throttle(lease, seconds, exhausted=exhausted)
             fault.until = done.until if done else None
         _lowered(lease, done)
-        self.record_cooldown(lease, done.until if done else None, seconds)
+        self.record_cooldown(lease, fault.until, seconds)
 
     def rejected(self, lease: Lease) -> None:
         """The service refused the key (401/403): disable it in Redis and in Postgres (in
@@ -329,8 +329,7 @@ class AsyncGate:
             done = await self.pool(lease.pool).throttle(lease, seconds, exhausted=exhausted)
             fault.until = done.until if done else None
         _lowered(lease, done)
-        until = done.until if done else None
-        await asyncio.to_thread(self.gate.record_cooldown, lease, until, seconds)
+        await asyncio.to_thread(self.gate.record_cooldown, lease, fault.until, seconds)
 
     async def rejected(self, lease: Lease) -> None:
         try:
