@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import httpx
 import psycopg
 
-from harvest.clients import ClientPool
+from harvest.clients import ClientPool, http_client
 from harvest.context import JobContext
 from harvest.coordination.key_pool import Lease
 from harvest.errors import JobTimeout
@@ -41,10 +41,6 @@ log = logging.getLogger("harvest.runner")
 
 T = TypeVar("T")
 GRACE = 5.0  # seconds past a blocking job's time limit before this process counts as wedged
-
-
-def http_client(secret: str) -> httpx.Client:
-    return httpx.Client(headers={"Authorization": f"Bearer {secret}"}, timeout=30.0)
 
 
 # What the next job may do ahead, while the job before it ends: no waiting, no write to
