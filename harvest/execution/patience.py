@@ -1,6 +1,7 @@
-"""How long one statement is tried again while Postgres does not answer: one policy for the
-blocking shell (:meth:`~harvest.execution.sync_shell.SyncShell.db`) and the grouped writer of
-the asyncio shell (:meth:`~harvest.execution.writer.Writer.run`); only the waiting differs.
+"""How long one statement is tried again while Postgres does not answer, or after it rolled
+the statement back to break a deadlock: one policy for the blocking shell
+(:meth:`~harvest.execution.sync_shell.SyncShell.db`) and the grouped writer of the asyncio
+shell (:meth:`~harvest.execution.writer.Writer.run`); only the waiting differs.
 
 A job's write that gives up too soon costs more than its wait: a finish that is not written
 leaves the job held until its lease expires, and rescue then runs again a call that was made.
@@ -23,6 +24,7 @@ import psycopg
 log = logging.getLogger("harvest.runner")
 
 FIRST, LONGEST = 0.05, 1.0
+ROLLED_BACK = {"40001", "40P01"}  # serialization_failure, deadlock_detected
 
 
 def pauses(patience: float, clock: Callable[[], float] = time.monotonic) -> Iterator[float]:
@@ -44,6 +46,21 @@ def unanswered(exc: BaseException, conn: Any) -> bool:
     if not isinstance(exc, psycopg.OperationalError):
         return False
     return conn is None or bool(conn.broken)
+
+
+def rolled_back(exc: BaseException) -> bool:
+    """Whether Postgres rolled the statement back to break a cycle of waits (a deadlock, or a
+    serialization failure): nothing of it happened, and the same statement tried again goes
+    through once the other transaction has. A process's writes meet each other this way: its
+    heartbeat extends the leases of all its jobs in one statement while a job's finish and the
+    next job's start lock two of those rows in another order (seen in CI: the finish was given
+    up, the job's lease expired and rescue ran its handler a second time)."""
+    return isinstance(exc, psycopg.Error) and exc.sqlstate in ROLLED_BACK
+
+
+def worth_retrying(exc: BaseException, conn: Any) -> bool:
+    """:func:`unanswered` or :func:`rolled_back`: the one rule both shells' writes follow."""
+    return unanswered(exc, conn) or rolled_back(exc)
 
 
 def retrying(exc: BaseException, pause: float) -> None:

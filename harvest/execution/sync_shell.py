@@ -354,7 +354,8 @@ class SyncShell:
                 time.sleep(pause)
 
     def _db_once(self, query: sql.Query[T]) -> T:
-        """One try; :class:`_Away` when Postgres did not answer (no connection, or it broke)."""
+        """One try; :class:`_Away` when Postgres did not answer (no connection, or it broke) or
+        rolled the statement back to break a deadlock."""
         try:
             pooled = self.app.engine.raw_connection()
         except Exception as exc:
@@ -371,11 +372,13 @@ class SyncShell:
                 if not driver.closed:
                     driver.autocommit = False  # as the pool's other users expect it
         except psycopg.OperationalError as exc:
-            if not patience.unanswered(exc, driver):
-                raise
-            pooled.invalidate()
-            self.app.engine.dispose(close=False)  # its pool-mates died with it
-            raise _Away(exc) from exc
+            if patience.unanswered(exc, driver):
+                pooled.invalidate()
+                self.app.engine.dispose(close=False)  # its pool-mates died with it
+                raise _Away(exc) from exc
+            if patience.rolled_back(exc):  # the connection is fine; the statement did nothing
+                raise _Away(exc) from exc
+            raise
         finally:
             pooled.close()
 
@@ -442,7 +445,7 @@ class SyncShell:
 
 
 class _Away(Exception):
-    """Postgres did not answer a statement's try (``error``): try again."""
+    """Postgres did not answer a statement's try (``error``), or rolled it back: try again."""
 
     def __init__(self, error: BaseException) -> None:
         self.error = error

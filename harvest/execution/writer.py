@@ -132,7 +132,7 @@ class Writer:
                 async with self.pool.connection() as conn:
                     return await sql.arun(conn, query)
             except psycopg.OperationalError as exc:
-                pause = next(waits, None) if patience.unanswered(exc, conn) else None
+                pause = next(waits, None) if patience.worth_retrying(exc, conn) else None
                 if pause is None:
                     raise
                 patience.retrying(exc, pause)

@@ -93,3 +93,56 @@ def test_a_write_gives_up_after_half_the_lease_and_says_what_failed(
     assert 0.3 <= took < 5.0, took  # the last try starts within the 0.5 s
     assert "OperationalError" in type(raised.value).__name__
     assert _status(app, pair[0]) == "running"  # nothing half-written: rescue's to take back
+
+
+def _dispatched(app: Harvest) -> sql.Pair:
+    with app.engine.begin() as conn:
+        row = conn.execute(
+            text(
+                "INSERT INTO harvest_jobs (name, status, lease_token, dispatched_at, "
+                "lease_expires_at) VALUES ('patience.test', 'dispatched', gen_random_uuid(), "
+                "now(), now() + interval '60 seconds') RETURNING id, lease_token"
+            )
+        ).one()
+    return (int(row.id), uuid.UUID(str(row.lease_token)))
+
+
+def test_a_write_rolled_back_to_break_a_deadlock_is_tried_again(
+    app: Harvest, own_database: Settings, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As seen in CI: a job's finish and the next job's start (one statement, two rows) met the
+    process's heartbeat, which extends every lease in flight in one statement and locked the
+    two rows the other way round. Postgres broke the deadlock by rolling the finish back; the
+    shell gave it up, the job's lease expired and rescue ran its handler a second time. Here
+    another transaction takes the rows in the heartbeat's order (its deadlock check set late,
+    so that the shell's statement is the one rolled back); the finish and start must land."""
+    import psycopg
+
+    shell = _shell(app, lease_ttl=30.0)
+    ending, nxt = _running(app, shell), _dispatched(app)
+    url = own_database.psycopg_url
+    with psycopg.connect(url) as other:
+        other.execute("SET deadlock_timeout = '30s'")  # the shell's check finds the cycle first
+        other.execute("UPDATE harvest_jobs SET attempts = attempts WHERE id = %s", (nxt[0],))
+        result: list[object] = []
+
+        def write() -> None:
+            query = sql.finish_then_start(
+                sql.Finish(*ending, JobStatus.SUCCEEDED, "1"), nxt, ttl=60.0, worker="test:1"
+            )
+            try:
+                result.append(shell.db(query))
+            except BaseException as exc:
+                result.append(exc)
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        time.sleep(0.3)  # the shell holds the ending job's row and waits for the next one's
+        other.execute("UPDATE harvest_jobs SET attempts = attempts WHERE id = %s", (ending[0],))
+        other.commit()
+        writer.join(15)
+    assert len(result) == 1 and not isinstance(result[0], BaseException), result
+    finished, started = result[0]  # type: ignore[misc]
+    assert ending[0] in finished and nxt[0] in started
+    assert _status(app, ending[0]) == "succeeded" and _status(app, nxt[0]) == "running"
+    assert any("DeadlockDetected" in r.getMessage() for r in caplog.records)

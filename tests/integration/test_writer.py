@@ -112,3 +112,47 @@ def test_shutdown_writes_what_lingers_at_once(clean_db: Engine, migrated: Settin
             text("SELECT status FROM harvest_jobs WHERE id = :id"), {"id": pair[0]}
         )
         assert status.scalar_one() == "succeeded"
+
+
+def test_a_grouped_finish_rolled_back_to_break_a_deadlock_is_tried_again(
+    clean_db: Engine, migrated: Settings, caplog: Any
+) -> None:
+    """The asyncio shell's twin of the blocking shell's deadlock test: a grouped finish of two
+    jobs meets a transaction that locks their rows the other way round (as the process's
+    heartbeat can); Postgres rolls the finish back, and the writer tries it again."""
+    import threading
+
+    import psycopg
+
+    jobs = _dispatched(clean_db, 2)
+    first, second = sorted(jobs)
+    other = psycopg.connect(migrated.psycopg_url)
+    other.execute("SET deadlock_timeout = '30s'")  # the writer's check finds the cycle first
+
+    async def body(writer: Writer) -> set[int]:
+        await _started(writer, jobs)
+        other.execute("UPDATE harvest_jobs SET attempts = attempts WHERE id = %s", (second[0],))
+
+        def lock_first_later() -> None:
+            time.sleep(0.3)  # the finish holds the first row and waits for the second
+            other.execute("UPDATE harvest_jobs SET attempts = attempts WHERE id = %s", (first[0],))
+            other.commit()
+
+        locker = threading.Thread(target=lock_first_later)
+        locker.start()
+        finished = await writer.run(sql.finish([_done(first), _done(second)]))
+        await asyncio.to_thread(locker.join, 15)
+        return set(finished)
+
+    try:
+        finished = asyncio.run(_with_writer(migrated, 0.02, body))
+    finally:
+        other.close()
+    assert finished == {first[0], second[0]}
+    with clean_db.connect() as conn:
+        ids = [pair[0] for pair in jobs]
+        statuses = conn.execute(
+            text("SELECT status FROM harvest_jobs WHERE id = ANY(:ids)"), {"ids": ids}
+        ).scalars()
+        assert set(statuses) == {"succeeded"}
+    assert any("DeadlockDetected" in r.getMessage() for r in caplog.records)
