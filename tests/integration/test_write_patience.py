@@ -33,7 +33,7 @@ def _shell(app: Harvest, lease_ttl: float) -> SyncShell:
     return SyncShell(app, plan)
 
 
-def _running(app: Harvest, shell: SyncShell) -> sql.Pair:
+def _dispatched(app: Harvest) -> sql.Pair:
     with app.engine.begin() as conn:
         row = conn.execute(
             text(
@@ -42,7 +42,11 @@ def _running(app: Harvest, shell: SyncShell) -> sql.Pair:
                 "now(), now() + interval '60 seconds') RETURNING id, lease_token"
             )
         ).one()
-    pair = (int(row.id), uuid.UUID(str(row.lease_token)))
+    return (int(row.id), uuid.UUID(str(row.lease_token)))
+
+
+def _running(app: Harvest, shell: SyncShell) -> sql.Pair:
+    pair = _dispatched(app)
     assert shell.db(sql.start([pair], ttl=60.0, worker="test:1")).get(pair[0]) is not None
     return pair
 
@@ -93,18 +97,6 @@ def test_a_write_gives_up_after_half_the_lease_and_says_what_failed(
     assert 0.3 <= took < 5.0, took  # the last try starts within the 0.5 s
     assert "OperationalError" in type(raised.value).__name__
     assert _status(app, pair[0]) == "running"  # nothing half-written: rescue's to take back
-
-
-def _dispatched(app: Harvest) -> sql.Pair:
-    with app.engine.begin() as conn:
-        row = conn.execute(
-            text(
-                "INSERT INTO harvest_jobs (name, status, lease_token, dispatched_at, "
-                "lease_expires_at) VALUES ('patience.test', 'dispatched', gen_random_uuid(), "
-                "now(), now() + interval '60 seconds') RETURNING id, lease_token"
-            )
-        ).one()
-    return (int(row.id), uuid.UUID(str(row.lease_token)))
 
 
 def test_a_write_rolled_back_to_break_a_deadlock_is_tried_again(
