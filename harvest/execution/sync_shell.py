@@ -372,13 +372,12 @@ class SyncShell:
                 if not driver.closed:
                     driver.autocommit = False  # as the pool's other users expect it
         except psycopg.OperationalError as exc:
-            if patience.unanswered(exc, driver):
+            if not patience.worth_retrying(exc, driver):
+                raise
+            if patience.unanswered(exc, driver):  # not a rollback: the connection is gone
                 pooled.invalidate()
                 self.app.engine.dispose(close=False)  # its pool-mates died with it
-                raise _Away(exc) from exc
-            if patience.rolled_back(exc):  # the connection is fine; the statement did nothing
-                raise _Away(exc) from exc
-            raise
+            raise _Away(exc) from exc
         finally:
             pooled.close()
 
