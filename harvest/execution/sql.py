@@ -27,6 +27,7 @@ from harvest.jobs import Started
 from harvest.models import JobStatus
 
 T = TypeVar("T")
+R = TypeVar("R", "Finish", "Defer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,8 +153,20 @@ def _in(*states: str) -> str:
     return f"CASE WHEN j.status IN ({listed}) THEN true END"
 
 
+# Every grouped statement takes its rows in the order of their job ids: its plan walks the
+# ``unnest`` arrays in order, each row found by its id, so two grouped statements cannot
+# deadlock on rows they share (a group of finishes and the heartbeat of every lease in flight
+# could, each taking the rows in the order its jobs came). finish_then_start's two halves run
+# in an order Postgres chooses: a deadlock there is rare, and retried (patience.rolled_back).
+
+
 def _pairs(jobs: Sequence[Pair]) -> dict[str, Any]:
+    jobs = sorted(jobs, key=lambda job: job[0])
     return {"ids": [j[0] for j in jobs], "tokens": [j[1] for j in jobs]}
+
+
+def _by_id(rows: Sequence[R]) -> list[R]:
+    return sorted(rows, key=lambda row: row.job_id)
 
 
 _HOLD = f"""
@@ -311,6 +324,7 @@ def finish(rows: Sequence[Finish]) -> Query[set[int]]:
     missing from it lost its lease: nothing was written for it (a newer attempt owns it).
     ``refund_attempt``: the attempt did not count (its key was rate limited or rejected, or the
     worker handed it back at shutdown), so a retry does not use up an attempt."""
+    rows = _by_id(rows)
     params = {
         "ids": [r.job_id for r in rows],
         "tokens": [r.token for r in rows],
@@ -390,6 +404,7 @@ def defer(rows: Sequence[Defer]) -> Query[set[int]]:
     attempt and without holding a worker (or end cancelled, when cancellation was requested);
     one that had started to wait for its key gets its attempt back. ``deferred_since``
     remembers when the first of a run of deferrals happened."""
+    rows = _by_id(rows)
     params = {
         "ids": [r.job_id for r in rows],
         "tokens": [r.token for r in rows],
