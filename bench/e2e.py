@@ -167,21 +167,23 @@ def run_gate(ctx: Ctx) -> list[Row]:
 
 
 def _leases_per_job(ctx: Ctx, subject: HarvestSubject, row: Row) -> None:
-    """Start ``subject`` and record how many key leases its jobs took a job (one; less where
-    a key passed from a job to the next of its message; more where a lease was lost and taken
-    again). Every job fails without a lease (``bench.jobs_pooled``); a subject whose jobs
-    leased nothing from Redis is marked."""
+    """Start ``subject`` and record how many key leases its jobs took from Redis a job (one;
+    less where a key passed from a job to the next in its process, down to none when every
+    job of the probe took over a lease granted within ``handoff.PASS_FOR``; more where a lease
+    was lost and taken again). Every job fails without a lease (``bench.jobs_pooled``), so the
+    gate is on the way whatever this says; a subject whose pool never granted a lease at all
+    is marked."""
     probe = warmup_jobs(ctx)
     try:
         subject.start()
         drain(subject, probe)  # the pool's fence counter exists once a lease was granted
         before = subject.leases_granted()
         drain(subject, probe)
-        granted = subject.leases_granted() - before if before else 0
+        granted = subject.leases_granted() - before
     except Exception as exc:
         row.unavailable = f"failed: {type(exc).__name__}: {exc}"[:300]
         return
-    if granted < 1:
-        row.unavailable = f"not measured: {probe} jobs ran but no key was leased"
+    if before < 1:
+        row.unavailable = f"not measured: {probe} jobs ran but no key was ever leased"
         return
     row.extra["leases_per_job"] = round(granted / probe, 3)

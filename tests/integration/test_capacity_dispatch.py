@@ -111,3 +111,53 @@ def test_a_full_window_of_jobs_that_keep_ending_is_refilled_in_the_same_call(
     assert dispatcher.dispatch(app).claimed == 0  # full, and nothing ends: no waiting for it
     assert time.monotonic() - started < dispatcher.ROOM_LINGER + 2.0  # not the call's bound
     app.close()
+
+
+@pytest.mark.parametrize("batch", [5, 200], ids=["room-for-a-claim", "could-bind-a-claim"])
+def test_a_pool_with_room_is_read_again_within_a_fifth_of_a_second_a_full_one_every_round(
+    migrated: Settings, clean_db: Engine, redis_client: redis.Redis, batch: int
+) -> None:
+    """The dispatcher reads every key of a pool at each 20 ms round only while the pool's budget
+    could bind a claim; with room for a whole claim batch, the state it read stands for 0.2 s.
+    Seen from outside: disabling every key of a pool with room shows in the budget within
+    0.2 s; of a pool whose budget could bind (a claim batch larger than its room), at once."""
+    app = _app(migrated.model_copy(update={"claim_batch_size": batch}), redis_client)
+    with app.sessions.begin() as session:  # 2 x 1 + 2 x 10: a budget of 22 + 11 sent ahead
+        cipher = keystore.Cipher.from_settings(app.settings)
+        for name in ("wide1", "wide2"):
+            keystore.add_key(session, cipher, pool="test-pool", name=name,
+                             secret=f"s-{name}-0123456789", max_concurrency=10)  # fmt: skip
+    keystore.sync_pool(app.engine, redis_client, "test-pool")
+    with app.engine.connect() as conn:
+        before = dispatcher.pool_budgets(app, conn)["test-pool"]
+        assert before == 22 + 11
+        with app.engine.begin() as admin:
+            for name in ("k1", "k2", "wide1", "wide2"):
+                keystore.set_status(admin, ("test-pool", name), "disabled")
+        keystore.sync_pool(app.engine, redis_client, "test-pool")
+        now = dispatcher.pool_budgets(app, conn)["test-pool"]
+        time.sleep(0.25)
+        later = dispatcher.pool_budgets(app, conn)["test-pool"]
+    if batch <= before:  # room for a whole claim: the claim ran without the budget anyway
+        assert now == before and later == 0
+    else:
+        assert now == 0 and later == 0
+    app.close()
+
+
+def test_a_pool_redis_lost_is_loaded_again_from_postgres_by_the_budget_read(
+    migrated: Settings,
+    clean_db: Engine,
+    redis_client: redis.Redis,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Redis restarted without persistence (or flushed): the dispatcher's read of the pool's
+    capacity finds no pool there, loads it from Postgres and goes on with its budget."""
+    app = _app(migrated, redis_client)
+    with app.engine.connect() as conn:
+        before = dispatcher.pool_budgets(app, conn)["test-pool"]
+        redis_client.flushdb()
+        after = dispatcher.pool_budgets(app, conn)["test-pool"]
+    assert before == after == 3  # two keys of concurrency 1, one sent ahead
+    assert any("was rebuilt from Postgres" in r.getMessage() for r in caplog.records)
+    app.close()
