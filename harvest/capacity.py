@@ -41,7 +41,7 @@ class Ample:
     def keep(self, pool: str, states: list[KeyState], *, ample: bool) -> None:
         if not ample or not states:
             self._kept.pop(pool, None)
-        elif pool not in self._kept or self.states(pool) is None:
+        elif self.states(pool) is None:  # none kept, or too old: this read is new
             self._kept[pool] = (time.monotonic(), states)  # its read time stays while reused
 
 
