@@ -39,7 +39,7 @@ from harvest.errors import (
     WaitTimeout,
 )
 from harvest.execution.observe import Observers
-from harvest.jobs import Job
+from harvest.jobs import Job, JobRef, job_id_of
 from harvest.models import JobStatus
 from harvest.retry import RetryPolicy
 from harvest.settings import Settings
@@ -304,15 +304,18 @@ class Harvest(Enqueueing, Controls):
 
     # --- reading and cancelling -------------------------------------------------------------
 
-    def get(self, job_id: int) -> Job:
+    def get(self, job: int | JobRef | Job) -> Job:
+        """The job (its id, or the JobRef enqueue returned); JobNotFound if there is none."""
+        job_id = job_id_of(job)
         with translate_errors(), self.engine.begin() as conn:  # begin: a quarantine is kept
-            job = store.get(conn, job_id)
-        if job is None:
+            found = store.get(conn, job_id)
+        if found is None:
             raise JobNotFound(job_id)
-        return job
+        return found
 
-    def wait(self, job_id: int, timeout: float = 60.0, *, poll: float = 0.05) -> Job:
+    def wait(self, job: int | JobRef | Job, timeout: float = 60.0, *, poll: float = 0.05) -> Job:
         """Block until the job is succeeded, failed or cancelled; WaitTimeout after ``timeout``."""
+        job_id = job_id_of(job)
         deadline = time.monotonic() + timeout
         interval = poll
         while True:
@@ -328,9 +331,10 @@ class Harvest(Enqueueing, Controls):
             time.sleep(min(interval, remaining))
             interval = min(interval * 1.5, 1.0)
 
-    def cancel(self, job_id: int) -> JobStatus:
+    def cancel(self, job: int | JobRef | Job) -> JobStatus:
         """Cancel a job: a pending one ends cancelled at once and never runs; a running one is
         asked to stop (``ctx.cancelled``) and ends cancelled. Returns the status now."""
+        job_id = job_id_of(job)
         with translate_errors(), self.engine.begin() as conn:
             status = store.cancel(conn, job_id)
             if status is None:
@@ -340,8 +344,9 @@ class Harvest(Enqueueing, Controls):
                 return current
         return status
 
-    def retry(self, job_id: int) -> None:
+    def retry(self, job: int | JobRef | Job) -> None:
         """A failed (dead) job back to pending, with one more attempt allowed."""
+        job_id = job_id_of(job)
         with translate_errors(), self.engine.begin() as conn:
             ok = store.retry_failed(conn, job_id)
             if not ok:

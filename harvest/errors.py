@@ -120,6 +120,15 @@ class JobNotFound(HarvestError, LookupError):
         super().__init__(f"no job with id {job_id}")
 
 
+class InvalidJobId(HarvestError, TypeError):
+    """What was given for a job is neither its id (an int) nor what enqueue returned or get
+    gave (a JobRef or a Job); ``given`` names its type, never its value."""
+
+    def __init__(self, given: object) -> None:
+        self.given = type(given).__name__
+        super().__init__(f"a job is named by its id (int), JobRef or Job, not by a {self.given}")
+
+
 class ScheduleNotFound(HarvestError, LookupError):
     def __init__(self, name: str) -> None:
         self.name = name

@@ -8,7 +8,10 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from harvest.errors import InvalidJobId, JobNotFound
 from harvest.models import JobStatus
+
+BIGINT_MAX = 2**63 - 1  # a job id is a Postgres bigint: no job has an id outside 1..this
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +60,19 @@ class Job:
     @property
     def terminal(self) -> bool:
         return self.status.terminal
+
+
+def job_id_of(job: int | JobRef | Job) -> int:
+    """The id of the job ``job`` names: its id, the JobRef enqueue returned, or a Job. Anything
+    else (a str, a bool, a float) is refused with :class:`~harvest.errors.InvalidJobId`, and
+    an int no bigint can hold with :class:`~harvest.errors.JobNotFound`, before any query."""
+    if isinstance(job, (JobRef, Job)):
+        return job.id
+    if not isinstance(job, int) or isinstance(job, bool):
+        raise InvalidJobId(job)
+    if not -BIGINT_MAX - 1 <= job <= BIGINT_MAX:
+        raise JobNotFound(job)
+    return job
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ from harvest import store
 from harvest.app import Harvest
 from harvest.errors import (
     EnqueueError,
+    InvalidJobId,
     InvalidOption,
     InvalidPayload,
     JobNotFound,
@@ -390,6 +391,35 @@ def test_get_of_missing_id_raises_job_not_found(app: Harvest) -> None:
         app.wait(987654, timeout=0.1)
     with pytest.raises(JobNotFound):
         app.cancel(987654)
+
+
+def test_a_job_is_named_by_the_ref_enqueue_returned(app: Harvest) -> None:
+    ref = app.enqueue("echo", {"value": 1}, delay=3600)
+    job = app.get(ref)
+    assert (job.id, job.status) == (ref.id, JobStatus.PENDING)
+    assert app.get(job) == job
+    assert app.cancel(ref) == JobStatus.CANCELLED
+    assert app.wait(ref, timeout=1).status == JobStatus.CANCELLED
+    assert app.get(ref.id).status == JobStatus.CANCELLED
+
+
+@pytest.mark.parametrize("given", [str, bool, float], ids=lambda t: t.__name__)
+def test_a_job_named_by_anything_else_is_refused_before_any_query(
+    app: Harvest, given: type
+) -> None:
+    ref = app.enqueue("echo", {"value": 1}, delay=3600)
+    value = given(ref.id)
+    for call in (app.get, app.wait, app.cancel, app.retry):
+        with pytest.raises(InvalidJobId, match=f"not by a {given.__name__}") as info:
+            call(value)
+        assert info.value.given == given.__name__
+    assert app.get(ref).status == JobStatus.PENDING  # the cancel asked nothing of it
+
+
+def test_an_id_no_bigint_holds_names_no_job(app: Harvest) -> None:
+    for call in (app.get, app.wait, app.cancel, app.retry):
+        with pytest.raises(JobNotFound, match=f"no job with id {2**63}"):
+            call(2**63)
 
 
 def test_wait_times_out_with_the_status(app: Harvest) -> None:
