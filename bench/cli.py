@@ -73,6 +73,7 @@ class Config:
     goodput_cases: tuple[str, ...] = ()  # () = every case
     goodput_subjects: tuple[str, ...] = ()  # () = every subject
     goodput_async_pool: str = "prefork"
+    goodput_reps: int = 1  # runs of each goodput subject (a full run of every case: 30 min)
     scale_history: int = 0  # 0: 10,000,000 (200,000 with --quick)
 
 
@@ -102,6 +103,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         choices=("prefork", "solo"),
         default="prefork",
         help="pool of harvest's async subject: prefork -c 2 (default) or solo",
+    )
+    parser.add_argument(
+        "--goodput-reps",
+        type=int,
+        default=1,
+        help="runs of each goodput subject, the subjects taking turns; jobs/s is the median "
+        "run's, the counts summed over the runs (default 1: every case once is 30 minutes)",
     )
     parser.add_argument(
         "--history",
@@ -157,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         goodput_cases=args.goodput_cases,
         goodput_subjects=args.goodput_subjects,
         goodput_async_pool=args.goodput_async,
+        goodput_reps=max(1, args.goodput_reps),
         scale_history=max(0, args.history),
     )
     chosen = [s for s in SCENARIOS if not args.chosen or s.name in args.chosen]

@@ -27,9 +27,13 @@ any window of 60 s).
   the one arriving, refused or not) against C. **RSS**: sum over the subject's processes
   (every worker, their children, beat), the peak of samples each second.
 
-A full run is about 30 minutes; one run per subject (no repetitions: the rate-bound case alone
-takes two minutes a subject). ``--quick`` runs the rate-bound case with a window of 10 s (20
-calls per 10 s a key: the same 16 jobs/s) and the concurrency-bound case, small.
+A full run is about 30 minutes; one run per subject by default (the rate-bound case alone takes
+two minutes a subject). ``--goodput-reps N`` runs each subject N times, the subjects taking
+turns (so a slower minute of the machine falls on all of them): jobs/s is the median run's,
+429s, lost, duplicated, failed and unfinished jobs are summed over the runs, peaks and RSS the
+highest, and each run's call log is kept (``-1``, ``-2``, ... in its name). ``--quick`` runs
+the rate-bound case with a window of 10 s (20 calls per 10 s a key: the same 16 jobs/s) and the
+concurrency-bound case, small.
 """
 
 from __future__ import annotations
@@ -207,9 +211,10 @@ def _save_log(path: Path, log: list[dict[str, Any]]) -> None:
         writer.writerows(log)
 
 
-def run_subject(ctx: Ctx, case: Case, subject: Subject) -> dict[str, Any]:
+def run_subject(ctx: Ctx, case: Case, subject: Subject, run: str = "") -> dict[str, Any]:
     """Start the service and the subject, submit the case's jobs, watch until done or the cap,
-    and work out the figures. Everything it started is stopped when it returns."""
+    and work out the figures. Everything it started is stopped when it returns. ``run``: what
+    tells this run's call log from the others' of the subject (``-2``, ...)."""
     with ctx.scope():
         service = start_loopback(
             case.loop_keys(), latency=case.latency, tokens_range=case.tokens, seed=SEED
@@ -236,7 +241,7 @@ def run_subject(ctx: Ctx, case: Case, subject: Subject) -> dict[str, Any]:
         until = time.time()
         stats = service.stats()
         log = _service_log(service)
-        _save_log(ctx.log_dir / f"{case.name}-{_slug(subject.name)}-calls.csv", log)
+        _save_log(ctx.log_dir / f"{case.name}-{_slug(subject.name)}{run}-calls.csv", log)
         failed = subject.failed()
     end = figures_until(log, drained, until)
     figures = analyse(log, case, end)
@@ -399,32 +404,61 @@ def run(ctx: Ctx) -> list[Row]:
     names = list(cfg.goodput_subjects or SUBJECTS)
     pool = cfg.goodput_async_pool
     picked = [c for c in cases if c.name in chosen]
-    ctx.plan(len(picked) * len(names))
+    reps = max(1, cfg.goodput_reps)
+    ctx.plan(len(picked) * len(names) * reps)
     rows: list[Row] = []
     for case in picked:
         subjects = make_subjects(names, pool, dict(cfg.harvest_knobs))
         by_name = _rows(case, subjects)
         rows.extend(by_name.values())
         ctx.record(*by_name.values())
-        for subject in subjects:
-            row = by_name[f"{case.name}: {subject.name}"]
-            try:
-                figures = run_subject(ctx, case, subject)
-            except Exception as exc:
-                row.unavailable = f"failed: {type(exc).__name__}: {exc}"[:300]
-                ctx.step(f"goodput {case.name}: {subject.name} failed", 1)
-                continue
-            figures["limit"] = limit(case)
-            figures["settings"] = getattr(subject, "settings_used", {})
-            row.extra["goodput"] = figures
-            if figures["steady"] is None:
-                row.unavailable = f"no steady rate: {figures['steady_span']}"
-            else:
-                row.values.append(figures["steady"])
-            row.note = figures["steady_span"]
-            tokens = by_name.get(f"{case.name}: {subject.name}, tokens")
-            if tokens is not None and figures.get("tokens_per_min") is not None:
-                tokens.values.append(figures["tokens_per_min"])
-                tokens.note = "tokens admitted (200) in the steady windows, per minute"
-            ctx.step(f"goodput {case.name}: {subject.name} {figures['steady'] or 0:,.1f} jobs/s", 1)
+        runs: dict[str, list[dict[str, Any]]] = {}
+        for rep in range(reps):  # the subjects take turns: each rep runs every one once
+            for subject in subjects:
+                name = f"{case.name}: {subject.name}"
+                row = by_name[name]
+                try:
+                    figures = run_subject(ctx, case, subject, f"-{rep + 1}" if reps > 1 else "")
+                except Exception as exc:
+                    row.unavailable = f"failed: {type(exc).__name__}: {exc}"[:300]
+                    ctx.step(f"goodput {case.name}: {subject.name} failed", 1)
+                    continue
+                figures["limit"] = limit(case)
+                figures["settings"] = getattr(subject, "settings_used", {})
+                runs.setdefault(name, []).append(figures)
+                row.extra["goodput"] = combined(runs[name])
+                if figures["steady"] is None:
+                    row.unavailable = f"no steady rate: {figures['steady_span']}"
+                else:
+                    row.values.append(figures["steady"])
+                row.note = figures["steady_span"]
+                tokens = by_name.get(f"{name}, tokens")
+                if tokens is not None and figures.get("tokens_per_min") is not None:
+                    tokens.values.append(figures["tokens_per_min"])
+                    tokens.note = "tokens admitted (200) in the steady windows, per minute"
+                ctx.step(f"goodput {name} {figures['steady'] or 0:,.1f} jobs/s", 1)
     return rows
+
+
+# What one subject's runs show together: each count summed (a 429, a lost or a duplicated job in
+# any run shows), each peak the highest, jobs/s the median run's.
+_SUMMED = ("failed", "unfinished", "duplicated", "http_429", "errors")
+_HIGHEST = ("peak_per_key", "peak_admitted_per_key", "rss_mib", "seconds")
+
+
+def combined(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One subject's figures over its runs (``--goodput-reps``): the median run's (by jobs/s,
+    a run without a steady rate the lowest), with the counts of every run summed and the
+    peaks the highest of any; ``runs`` keeps each run's jobs/s. One run: its own figures."""
+    if len(runs) == 1:
+        return runs[0]
+    ranked = sorted(runs, key=lambda f: -1.0 if f["steady"] is None else f["steady"])
+    out = dict(ranked[(len(ranked) - 1) // 2])  # the lower median: no run that did not happen
+    for name in _SUMMED:
+        out[name] = sum(f[name] for f in runs)
+    for name in _HIGHEST:
+        out[name] = max(f[name] for f in runs)
+    lost = [f["lost"] for f in runs]
+    out["lost"] = None if None in lost else sum(lost)
+    out["runs"] = [f["steady"] for f in runs]
+    return out

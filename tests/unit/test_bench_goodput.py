@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from bench import goodput
@@ -71,3 +73,37 @@ def test_the_table_says_when_the_machine_not_the_keys_bound_a_case(
         assert "not the keys, bound this run" in caption
     else:
         assert caption == ""
+
+
+def _run(steady: float | None, **counts: Any) -> dict[str, Any]:
+    base = {"steady": steady, "steady_span": "10th to 90th percentile of completions",
+            "failed": 0, "unfinished": 0, "duplicated": 0, "http_429": 0, "errors": 0,
+            "lost": 0, "peak_per_key": 4, "peak_admitted_per_key": 4, "rss_mib": 100.0,
+            "seconds": 30.0}  # fmt: skip
+    return base | counts
+
+
+def test_runs_of_a_subject_show_the_median_rate_and_every_run_s_faults() -> None:
+    runs = [
+        _run(480.0, http_429=2, rss_mib=120.0),
+        _run(470.0, duplicated=1, peak_per_key=5),
+        _run(490.0, lost=3),
+    ]
+    out = goodput.combined(runs)
+    assert out["steady"] == 480.0  # the median run's
+    assert out["runs"] == [480.0, 470.0, 490.0]
+    assert (out["http_429"], out["duplicated"], out["lost"]) == (2, 1, 3)
+    assert (out["peak_per_key"], out["rss_mib"]) == (5, 120.0)
+
+
+def test_a_run_that_did_not_drain_leaves_lost_unknown_and_ranks_lowest() -> None:
+    runs = [_run(480.0), _run(None, lost=None, unfinished=40), _run(470.0)]
+    out = goodput.combined(runs)
+    assert out["steady"] == 470.0  # lower median of (None, 470, 480)
+    assert out["lost"] is None
+    assert out["unfinished"] == 40
+
+
+def test_one_run_is_its_own_run() -> None:
+    only = _run(480.0)
+    assert goodput.combined([only]) is only
