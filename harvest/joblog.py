@@ -64,8 +64,8 @@ class JobLog(AttemptObserver):
             _own_lines(self.log)
 
     def started(self, event: AttemptStarted) -> None:
-        if not self.starts:
-            return
+        if not self.starts or not self.log.isEnabledFor(logging.INFO):
+            return  # (at Celery's default level, WARNING, before any field is made)
         job = event.job
         fields = {
             "event": "job.start",
@@ -80,6 +80,9 @@ class JobLog(AttemptObserver):
         job, outcome = event.job, event.outcome
         name = _OUTCOMES.get(outcome.status, str(outcome.status))
         if name == "succeeded" and event.recorded and not self.successes:
+            return
+        level = _LEVELS.get(name, logging.INFO) if event.recorded else logging.WARNING
+        if not self.log.isEnabledFor(level):
             return
         fields: dict[str, Any] = {
             "event": "job.end",
@@ -99,12 +102,9 @@ class JobLog(AttemptObserver):
         if not event.recorded:
             fields["recorded"] = False  # another attempt owns the job: this outcome was dropped
         fields["worker"] = event.worker
-        level = _LEVELS.get(name, logging.INFO) if event.recorded else logging.WARNING
         self._emit(level, fields, event.at)
 
     def _emit(self, level: int, fields: dict[str, Any], at: float) -> None:
-        if not self.log.isEnabledFor(level):
-            return
         if self.fmt == "json":
             when = datetime.fromtimestamp(at or time.time(), UTC)
             stamp, name = when.isoformat(timespec="milliseconds"), logging.getLevelName(level)

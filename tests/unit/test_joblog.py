@@ -370,3 +370,19 @@ def test_job_log_setting_is_read_from_the_environment(monkeypatch: pytest.Monkey
     monkeypatch.setenv("HARVEST_JOB_LOG", "some")
     with pytest.raises(ValueError, match="job_log"):
         Settings()
+
+
+def test_at_warning_only_the_problems_are_written(
+    lines: tuple[logging.Logger, io.StringIO],
+) -> None:
+    """Celery's default level (the README's worker commands): a start and a success write
+    nothing, a retry and a failure their lines."""
+    log, stream = lines
+    log.setLevel(logging.WARNING)
+    observer = JobLog("logfmt", log)
+    run(observer, job(1), outcome.succeeded({"ok": True}))
+    run(observer, job(1), outcome.raised(job(1), spec(), RuntimeError("503")))
+    run(observer, job(3), outcome.raised(job(3), spec(), RuntimeError("503")))
+    out = stream.getvalue().splitlines()
+    assert [line.split(" ")[0] for line in out] == ["WARNING", "ERROR"]
+    assert "outcome=retry" in out[0] and "outcome=failed" in out[1]
