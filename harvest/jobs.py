@@ -11,7 +11,7 @@ from typing import Any
 from harvest.errors import InvalidJobId, JobNotFound
 from harvest.models import JobStatus
 
-BIGINT_MAX = 2**63 - 1  # a job id is a Postgres bigint: no job has an id outside 1..this
+BIGINT_MAX = 2**63 - 1  # a job id is a Postgres bigint: no job has an id beyond its range
 
 
 @dataclass(frozen=True, slots=True)
