@@ -304,18 +304,18 @@ class Harvest(Enqueueing, Controls):
 
     # --- reading and cancelling -------------------------------------------------------------
 
-    def get(self, job: int | JobRef | Job) -> Job:
+    def get(self, job_id: int | JobRef | Job) -> Job:
         """The job (its id, or the JobRef enqueue returned); JobNotFound if there is none."""
-        job_id = job_id_of(job)
+        job_id = job_id_of(job_id)
         with translate_errors(), self.engine.begin() as conn:  # begin: a quarantine is kept
             found = store.get(conn, job_id)
         if found is None:
             raise JobNotFound(job_id)
         return found
 
-    def wait(self, job: int | JobRef | Job, timeout: float = 60.0, *, poll: float = 0.05) -> Job:
+    def wait(self, job_id: int | JobRef | Job, timeout: float = 60.0, *, poll: float = 0.05) -> Job:
         """Block until the job is succeeded, failed or cancelled; WaitTimeout after ``timeout``."""
-        job_id = job_id_of(job)
+        job_id = job_id_of(job_id)
         deadline = time.monotonic() + timeout
         interval = poll
         while True:
@@ -331,10 +331,10 @@ class Harvest(Enqueueing, Controls):
             time.sleep(min(interval, remaining))
             interval = min(interval * 1.5, 1.0)
 
-    def cancel(self, job: int | JobRef | Job) -> JobStatus:
+    def cancel(self, job_id: int | JobRef | Job) -> JobStatus:
         """Cancel a job: a pending one ends cancelled at once and never runs; a running one is
         asked to stop (``ctx.cancelled``) and ends cancelled. Returns the status now."""
-        job_id = job_id_of(job)
+        job_id = job_id_of(job_id)
         with translate_errors(), self.engine.begin() as conn:
             status = store.cancel(conn, job_id)
             if status is None:
@@ -344,9 +344,9 @@ class Harvest(Enqueueing, Controls):
                 return current
         return status
 
-    def retry(self, job: int | JobRef | Job) -> None:
+    def retry(self, job_id: int | JobRef | Job) -> None:
         """A failed (dead) job back to pending, with one more attempt allowed."""
-        job_id = job_id_of(job)
+        job_id = job_id_of(job_id)
         with translate_errors(), self.engine.begin() as conn:
             ok = store.retry_failed(conn, job_id)
             if not ok:

@@ -398,6 +398,7 @@ def test_a_job_is_named_by_the_ref_enqueue_returned(app: Harvest) -> None:
     job = app.get(ref)
     assert (job.id, job.status) == (ref.id, JobStatus.PENDING)
     assert app.get(job) == job
+    assert app.get(job_id=ref) == app.get(job_id=ref.id) == job  # the keyword it always had
     assert app.cancel(ref) == JobStatus.CANCELLED
     assert app.wait(ref, timeout=1).status == JobStatus.CANCELLED
     assert app.get(ref.id).status == JobStatus.CANCELLED
