@@ -16,6 +16,7 @@ class ServiceUnavailable(HarvestError):
 
     def __init__(self, service: str, detail: str) -> None:
         self.service = service
+        self.detail = detail
         super().__init__(f"{service} is unavailable: {detail}")
 
 

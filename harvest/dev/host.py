@@ -13,11 +13,19 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 from harvest.dev.state import LOOPBACK, POLL
 from harvest.errors import ServiceUnavailable
 from harvest.redact import redact_text
+
+T = TypeVar("T")
+
+# How many ports a server is tried on when the one just found free was taken before it bound.
+PORT_TRIES = 3
+_PORT_TAKEN = "Address already in use"
+_TAIL = 64 * 1024
 
 
 def alive(pid: int, *markers: str) -> bool:
@@ -125,6 +133,46 @@ def free_port(host: str = LOOPBACK) -> int:
         sock.bind((host, 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def on_a_free_port(start: Callable[[int], T], log: Path) -> T:
+    """``start(port)`` on a port that was free a moment ago.
+
+    Between :func:`free_port` closing its socket and the server binding, another process may take
+    the port (the server then exits, saying so in its log): ``start`` is called again on another
+    port, up to :data:`PORT_TRIES` times. Any other failure is raised at once.
+    """
+    tries = 0
+    while True:
+        tries += 1
+        seen = log_size(log)
+        try:
+            return start(free_port())
+        except ServiceUnavailable:
+            if tries >= PORT_TRIES or _PORT_TAKEN not in log_since(log, seen):
+                raise
+
+
+def log_size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def log_since(log: Path, offset: int = 0) -> str:
+    """What ``log`` gained after ``offset`` bytes ('' when it cannot be read)."""
+    try:
+        with log.open("rb") as fh:
+            fh.seek(offset)
+            return fh.read().decode("utf-8", "replace")
+    except OSError:
+        return ""
+
+
+def last_log_line(log: Path) -> str:
+    """The last non-blank line of ``log``, on one line and redacted; '' when there is none."""
+    return redact_text(one_line(_last_line(log_since(log, max(0, log_size(log) - _TAIL)))))
 
 
 def port_open(host: str, port: int, timeout: float = 1.0) -> bool:

@@ -18,9 +18,10 @@ from psycopg import sql
 
 from harvest.dev.host import (
     chown,
-    free_port,
     grant_traverse,
+    last_log_line,
     make_owned_dir,
+    on_a_free_port,
     one_line,
     run_command,
     wait_until,
@@ -166,18 +167,26 @@ def start_postgres(
                 f"chmod {c} so that {user} can reach {path}" for c in grant_traverse(path, user)
             )
     _initdb_if_needed(install, data, user, root)
-    port = free_port()
-    _write_pg_conf(data, port, run_dir, user)
     pg_ctl = install.exe("pg_ctl")
-    run_command(
-        _as_user(
-            user, [pg_ctl, "-D", str(data), "-l", str(log), "-w", "-t", f"{timeout:.0f}", "start"]
-        ),
-        service="postgres",
-        what=f"pg_ctl start (log: {log})",
-        timeout=timeout + 5,
-        cwd=root,
-    )
+
+    def start_on(port: int) -> int:
+        _write_pg_conf(data, port, run_dir, user)
+        argv = [pg_ctl, "-D", str(data), "-l", str(log), "-w", "-t", f"{timeout:.0f}", "start"]
+        try:
+            run_command(
+                _as_user(user, argv),
+                service="postgres",
+                what="pg_ctl start",
+                timeout=timeout + 5,
+                cwd=root,
+            )
+        except ServiceUnavailable as exc:
+            said = last_log_line(log) or "nothing in its log"
+            detail = f"{exc.detail} Its log ends: {said} (log: {log})"
+            raise ServiceUnavailable("postgres", detail) from exc
+        return port
+
+    port = on_a_free_port(start_on, log)
     pid = _postmaster_pid(data)
     wait_until(lambda: pg_admin_problem(port, 2.0), timeout, "postgres", f"{log}")
     return ServerRecord(

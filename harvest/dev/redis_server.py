@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import time
 from importlib.util import find_spec
@@ -12,9 +13,22 @@ from pathlib import Path
 
 import redis
 
-from harvest.dev.host import alive, free_port, one_line, run_command, wait_until
+from harvest.dev.host import (
+    alive,
+    last_log_line,
+    log_since,
+    log_size,
+    on_a_free_port,
+    one_line,
+    run_command,
+    wait_until,
+)
 from harvest.dev.state import LOOPBACK, POLL, Binaries, ServerRecord
 from harvest.errors import ConfigurationError, ServiceUnavailable
+
+# How redis-server ends its log when it stops before serving ("Failed listening on port 6379
+# (TCP), aborting.", "Fatal error loading the DB: ... Exiting.").
+_ABORTED = re.compile(r"aborting|Exiting", re.IGNORECASE)
 
 
 def _find_redis(binaries: Binaries) -> tuple[str, str]:
@@ -40,9 +54,14 @@ def start_redis(sdir: Path, binaries: Binaries, timeout: float) -> ServerRecord:
     kind, exe = _find_redis(binaries)
     rdir = sdir / "redis"
     rdir.mkdir(parents=True, exist_ok=True)
+    log = rdir / "redis.log"
+    return on_a_free_port(lambda port: _start_on(port, kind, exe, rdir, timeout), log)
+
+
+def _start_on(port: int, kind: str, exe: str, rdir: Path, timeout: float) -> ServerRecord:
     pidfile, log, conf = rdir / "redis.pid", rdir / "redis.log", rdir / "redis.conf"
     pidfile.unlink(missing_ok=True)
-    port = free_port()
+    logged = log_size(log)
     settings = {
         "port": str(port),
         "bind": LOOPBACK,
@@ -57,12 +76,14 @@ def start_redis(sdir: Path, binaries: Binaries, timeout: float) -> ServerRecord:
     run_command(
         [exe, str(conf)], service="redis", what=f"{exe} (log: {log})", timeout=timeout, cwd=rdir
     )
-    pid = _wait_for_pidfile(pidfile, timeout, log)
+    pid = _wait_for_pidfile(pidfile, timeout, log, logged)
     url = redis_url(LOOPBACK, port)
 
     def problem() -> str:
-        if not alive(pid, "redis-server"):
-            raise ServiceUnavailable("redis", f"redis-server exited at start (log: {log})")
+        # No marker: the pid is from the pid file it has just written, and while it sets its
+        # process title its command line can be read empty.
+        if not alive(pid):
+            raise _exited(log)
         return redis_problem(url, 2.0)
 
     wait_until(problem, timeout, "redis", str(log))
@@ -83,13 +104,22 @@ def _redis_quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _wait_for_pidfile(pidfile: Path, timeout: float, log: Path) -> int:
+def _wait_for_pidfile(pidfile: Path, timeout: float, log: Path, logged: int) -> int:
+    """The pid a daemonized redis-server wrote; it writes none when it stops before serving (a
+    port taken, for one): its log says so, and that is raised at once."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError, ValueError):
             return int(pidfile.read_text().strip())
+        if _ABORTED.search(log_since(log, logged)):
+            raise _exited(log)
         time.sleep(POLL)
     raise ServiceUnavailable("redis", f"no pid file {pidfile} after {timeout:g}s (log: {log})")
+
+
+def _exited(log: Path) -> ServiceUnavailable:
+    said = last_log_line(log) or "nothing in its log"
+    return ServiceUnavailable("redis", f"redis-server exited at start: {said} (log: {log})")
 
 
 def redis_url(host: str, port: int) -> str:

@@ -20,7 +20,7 @@ import pytest
 import redis
 
 from harvest import dev
-from harvest.dev import postgres_server, redis_server
+from harvest.dev import host, postgres_server, redis_server
 from harvest.errors import ConfigurationError, ServiceUnavailable
 from harvest.settings import Settings
 from tests.conftest import ADMIN_URL
@@ -230,6 +230,74 @@ def test_failed_up_stops_what_it_started(state_dir: Path, monkeypatch: pytest.Mo
         dev.up(state_dir, env={}, **_closed_probes())
     assert _processes_mentioning(str(state_dir)) == []
     assert not (state_dir / dev.STATE_FILE).exists()
+
+
+@pytest.fixture
+def taken_port() -> Iterator[int]:
+    """A loopback port another process listens on (as one that took it after harvest found it
+    free would)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield int(sock.getsockname()[1])
+
+
+def _first_free_port_is(port: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each server (Postgres, then Redis) is first given ``port``; every port after that is
+    free."""
+    given = iter([port, None, port])
+
+    def free_port(host: str = "127.0.0.1") -> int:
+        return next(given, None) or _closed_port()
+
+    for module in (host, postgres_server, redis_server):
+        monkeypatch.setattr(module, "free_port", free_port, raising=False)
+
+
+@pytest.mark.slow
+def test_a_port_taken_before_the_server_binds_it_is_replaced(
+    state_dir: Path, taken_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between finding a port free and the server binding it, another process may take it: the
+    server is started on another port, and ``up`` succeeds."""
+    if not _have_system_binaries():
+        pytest.skip("no Postgres/Redis binaries on this machine")
+    _first_free_port_is(taken_port, monkeypatch)
+
+    state = dev.up(state_dir, binaries="system", env={}, **_closed_probes())
+
+    pg, rd = state.server("postgres"), state.server("redis")
+    assert pg is not None and rd is not None
+    assert taken_port not in (pg.port, rd.port)
+    with psycopg.connect(_libpq(state.database_url), autocommit=True) as conn:
+        assert conn.execute("SELECT current_database()").fetchone() == ("harvest",)
+    client = redis.Redis.from_url(state.redis_url)
+    try:
+        assert client.ping() is True
+    finally:
+        client.close()
+    for log in (state_dir / "postgres" / "postgres.log", state_dir / "redis" / "redis.log"):
+        assert log.read_text().count("Address already in use") == 1, log
+
+
+@pytest.mark.slow
+def test_a_server_that_cannot_bind_says_why(
+    state_dir: Path, taken_port: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if shutil.which("redis-server") is None:
+        pytest.skip("no redis-server on this machine")
+    for module in (host, redis_server):
+        monkeypatch.setattr(module, "free_port", lambda host="": taken_port, raising=False)
+
+    with pytest.raises(ServiceUnavailable) as raised:
+        redis_server.start_redis(state_dir, "system", 10)
+
+    message = str(raised.value)
+    assert message.startswith("redis is unavailable: redis-server exited at start: ")
+    assert str(taken_port) in message and "redis.log" in message
+    log = (state_dir / "redis" / "redis.log").read_text()
+    assert log.count("Address already in use") == host.PORT_TRIES
+    assert _processes_mentioning(str(state_dir)) == []
 
 
 # --- saying what is used, recording only what must be ---------------------------------------
