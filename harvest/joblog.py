@@ -14,7 +14,9 @@ the retry delay::
 ``problems`` (the end of an attempt that did not succeed) or ``off``.
 
 ``HARVEST_LOG_FORMAT=logfmt`` (the default) sends them through the worker's log, after
-Celery's prefix. ``json`` writes each alone, as one JSON object with ``ts`` and ``level``, on
+Celery's prefix, at the worker's level (``-l``): a start or success is INFO, a retry WARNING, a
+failure ERROR, so a worker at Celery's default level (WARNING) writes only the problems and
+``-l INFO`` every line. ``json`` writes each alone, as one JSON object with ``ts`` and ``level``, on
 the process's stderr, so a log shipper can read them as they are (give the ``harvest.jobs``
 logger a handler of your own to send them elsewhere).
 """

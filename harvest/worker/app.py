@@ -60,8 +60,8 @@ beat_init.connect(checks.beat_starting, weak=False)
 @worker_process_init.connect
 def _after_fork(**_: Any) -> None:
     """Each prefork child builds its own engine and clients (see harvest.worker.runtime), and
-    an execution child says it is alive (the dispatcher sizes the in-flight window by it)."""
-    logging.getLogger("harvest").setLevel(logging.INFO)
+    an execution child says it is alive (the dispatcher sizes the in-flight window by it).
+    harvest's loggers keep the level the worker was started with (``-l``), as Celery's do."""
     if runtime.executes():
         runtime.executor().start_presence()
 
