@@ -10,8 +10,10 @@ the processes whose memory counts.
 
 Each harvest subject has its own database and Redis db and a schedule worker and beat besides
 its execution worker, as a user runs it; its keys are stored with their true limits. Its workers
-run at ``-l INFO`` (the bench waits for Celery's "ready." line) with ``HARVEST_JOB_LOG=off``:
-the job lines a worker at the README's level (Celery's default, WARNING) never writes.
+run at ``-l INFO`` (the bench waits for Celery's "ready." line) with ``HARVEST_JOB_LOG=off``
+(:data:`bench.cli.AS_THE_README`): the job lines a worker at the README's level (Celery's
+default, WARNING) does not write; at INFO they cost huge 1-3 % of its jobs/s. Plain Celery runs
+at WARNING.
 """
 
 from __future__ import annotations
@@ -143,11 +145,6 @@ class HarvestGoodput:
             "HARVEST_IMPORTS": "bench.jobs_goodput",
             "HARVEST_SECRET_KEY": master,
             "BENCH_LOOPBACK_URL": service.url,
-            # The bench runs the workers at -l INFO (it waits for Celery's "ready." line); the
-            # README's worker commands run at Celery's default, WARNING, where harvest writes
-            # no line for a job that starts or succeeds. Off here, so that harvest runs as a
-            # user runs it: at INFO the two lines a job cost 1-3 % of huge's jobs/s.
-            "HARVEST_JOB_LOG": "off",
             **self.settings_used,
             **self.knobs,
         }
@@ -267,7 +264,7 @@ class CeleryGevent:
         argv = [
             *python_m("celery"), "-A", "bench.baselines.celery_gevent", "worker",
             "-Q", celery_gevent.QUEUE, "-P", "gevent", "-c", str(self.concurrency),
-            "-n", f"gevent-{secrets.token_hex(3)}@%h", "-l", "INFO",
+            "-n", f"gevent-{secrets.token_hex(3)}@%h", "-l", "WARNING",
             "--without-gossip", "--without-mingle",
         ]  # fmt: skip
         self.proc = ctx.spawn("celery-gevent", argv, env)

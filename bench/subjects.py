@@ -187,7 +187,7 @@ class CelerySubject:
         argv = [
             *python_m("celery"), "-A", "bench.baselines.celery_app", "worker",
             "-Q", celery_app.QUEUE, "-c", str(EXECUTION_PROCESSES), "--pool", "prefork",
-            "-n", f"plain-{secrets.token_hex(3)}@%h", "-l", "INFO",
+            "-n", f"plain-{secrets.token_hex(3)}@%h", "-l", "WARNING",
             "--without-gossip", "--without-mingle",
         ]  # fmt: skip
         self.ctx.spawn("celery-plain", argv, {"BENCH_BROKER_URL": redis_url})

@@ -3,7 +3,13 @@ them (no harvest), with no app made at import."""
 
 from __future__ import annotations
 
+import sys
+from typing import Any
+
 from celery import Celery
+from celery.signals import worker_ready
+
+READY = "ready."  # what the bench waits for in a worker's log
 
 
 def plain_celery(name: str, broker_url: str, queue: str) -> Celery:
@@ -20,4 +26,14 @@ def plain_celery(name: str, broker_url: str, queue: str) -> Celery:
         broker_connection_retry_on_startup=True,
         worker_hijack_root_logger=False,
     )
+    worker_ready.connect(_say_ready, weak=False, dispatch_uid="bench-plain-ready")
     return app
+
+
+def _say_ready(**_: Any) -> None:
+    """The bench runs these workers at Celery's default level (WARNING), as a plain Celery user
+    does, where Celery logs no "ready." line: one on the worker's own stdout, once it consumes."""
+    out = sys.__stdout__
+    if out is not None:
+        out.write(f"bench: worker {READY}\n")
+        out.flush()
