@@ -170,9 +170,11 @@ def log_since(log: Path, offset: int = 0) -> str:
         return ""
 
 
-def last_log_line(log: Path) -> str:
-    """The last non-blank line of ``log``, on one line and redacted; '' when there is none."""
-    return redact_text(one_line(_last_line(log_since(log, max(0, log_size(log) - _TAIL)))))
+def log_ending(log: Path) -> str:
+    """What a server that stopped said last: the last non-blank line of ``log`` (on one line,
+    redacted) and where the log is."""
+    said = redact_text(one_line(_last_line(log_since(log, max(0, log_size(log) - _TAIL)))))
+    return f"{said or 'nothing in its log'} (log: {log})"
 
 
 def port_open(host: str, port: int, timeout: float = 1.0) -> bool:

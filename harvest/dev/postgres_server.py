@@ -19,7 +19,7 @@ from psycopg import sql
 from harvest.dev.host import (
     chown,
     grant_traverse,
-    last_log_line,
+    log_ending,
     make_owned_dir,
     on_a_free_port,
     one_line,
@@ -181,8 +181,7 @@ def start_postgres(
                 cwd=root,
             )
         except ServiceUnavailable as exc:
-            said = last_log_line(log) or "nothing in its log"
-            detail = f"{exc.detail} Its log ends: {said} (log: {log})"
+            detail = f"{exc.detail} Its log ends: {log_ending(log)}"
             raise ServiceUnavailable("postgres", detail) from exc
         return port
 

@@ -15,7 +15,7 @@ import redis
 
 from harvest.dev.host import (
     alive,
-    last_log_line,
+    log_ending,
     log_since,
     log_size,
     on_a_free_port,
@@ -118,8 +118,7 @@ def _wait_for_pidfile(pidfile: Path, timeout: float, log: Path, logged: int) -> 
 
 
 def _exited(log: Path) -> ServiceUnavailable:
-    said = last_log_line(log) or "nothing in its log"
-    return ServiceUnavailable("redis", f"redis-server exited at start: {said} (log: {log})")
+    return ServiceUnavailable("redis", f"redis-server exited at start: {log_ending(log)}")
 
 
 def redis_url(host: str, port: int) -> str:
