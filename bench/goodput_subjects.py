@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import psycopg
 
 from bench import jobs_goodput
+from bench.baselines import plain
 from bench.core import wait_for
 from bench.env import Ctx, python_m
 from harvest.loopback import LoopbackHandle, LoopKey
@@ -269,7 +270,7 @@ class CeleryGevent:
         ]  # fmt: skip
         self.proc = ctx.spawn("celery-gevent", argv, env)
         wait_for(
-            lambda: "ready." in ctx.log_text("celery-gevent", 100_000),
+            lambda: plain.READY in ctx.log_text("celery-gevent", 100_000),
             timeout=90,
             what="the gevent Celery worker to be ready",
         )

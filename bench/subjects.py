@@ -20,6 +20,7 @@ import psycopg
 
 from bench import jobs as bench_jobs
 from bench import jobs_pooled
+from bench.baselines import plain
 from bench.core import BenchTimeout, Deadline, wait_for
 from bench.env import Ctx, Database, python_m
 
@@ -192,7 +193,7 @@ class CelerySubject:
         ]  # fmt: skip
         self.ctx.spawn("celery-plain", argv, {"BENCH_BROKER_URL": redis_url})
         wait_for(
-            lambda: "ready." in self.ctx.log_text("celery-plain", 100_000),
+            lambda: plain.READY in self.ctx.log_text("celery-plain", 100_000),
             timeout=90,
             what="the plain Celery worker to be ready",
         )
