@@ -208,14 +208,16 @@ class Settings(BaseSettings):
         ge=0,
         le=1000,
         description="How long an execution process gathers the holds and starts of its async "
-        "jobs before writing each kind as one statement (one commit). A job that holds its key "
-        "writes its start before its call: this is time a key may wait.",
+        "jobs (and of its sync jobs on -P threads or -P gevent) before writing each kind as one "
+        "statement (one commit). A job that holds its key writes its start before its call: "
+        "this is time a key may wait.",
     )
     settle_linger_ms: float = Field(
         default=20.0,
         ge=0,
         le=1000,
-        description="The most an execution process lets the finish of an async job wait to "
+        description="The most an execution process lets the finish of an async job (or of a "
+        "sync job on -P threads or -P gevent) wait to "
         "share a statement with others: a fiftieth of the handler's run time, at least "
         "HARVEST_WRITE_LINGER_MS and at most this (deferrals: this). No key waits on them; a job "
         "that ran for seconds is recorded milliseconds later.",

@@ -6,7 +6,9 @@
 many at once, up to ``HARVEST_ASYNC_CONCURRENCY``: the task returns as soon as they are handed
 over (the loop holds them), so Celery's slot is free for the next message, and it waits only
 while the loop is full. Jobs of sync handlers run
-in the calling thread, one after another (a prefork child, ``-P threads``, ``-P gevent``).
+in the calling thread, one after another (a prefork child, ``-P threads``, ``-P gevent``);
+where a process runs several threads, their writes are grouped
+(:mod:`~harvest.execution.thread_writer`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("harvest.runner")
 
+GROUPED_POOLS = ("threads", "gevent")  # where one process runs sync jobs in several threads
 COUNTS = ("started", "suppressed", "lost", "deferred")
 PRESENCE_EVERY = 2.0  # seconds between registry beats; a process is gone 3 beats after its last
 
@@ -59,6 +62,10 @@ class Executor:
             known=tuple(sorted(app.jobs)),
         )
         self.sync = SyncShell(app, self.plan)
+        if pool in GROUPED_POOLS and concurrency > 1:  # several sync jobs in flight: group
+            self.sync.group_writes(  # their writes, as the event loop does its jobs'
+                linger=settings.write_linger_ms / 1000, settle=settings.settle_linger_ms / 1000
+            )
         self.usage = Flusher(app.engine, self.sync.usage, interval=settings.usage_flush_interval)
         self.async_concurrency = settings.async_concurrency
         self._aio: AsyncRuntime | None = None

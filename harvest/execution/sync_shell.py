@@ -29,6 +29,7 @@ from harvest.execution import core, handoff, limits, patience, sql, tracking
 from harvest.execution import effects as fx
 from harvest.execution.heartbeat import HeartbeatThread
 from harvest.execution.observe import Received, notify
+from harvest.execution.thread_writer import ThreadWriter
 from harvest.execution.tracking import Tracked
 from harvest.gate import Gate
 from harvest.outage import POSTGRES, service_of
@@ -125,6 +126,15 @@ class SyncShell:
         self.usage = Tally()  # calls made with keys, written in windows by the executor
         self._keys_lock = threading.Lock()
         self._keys_freed: dict[str, threading.Condition] = {}  # a pool -> its waiters
+        self.writer: ThreadWriter | None = None  # grouped writes: see group_writes()
+
+    def group_writes(self, *, linger: float, settle: float) -> None:
+        """Gather the holds, starts, finishes and deferrals of the jobs this process's threads
+        run into one statement of each kind (``-P threads`` and ``-P gevent``: several jobs in
+        flight), as the asyncio shell does for its jobs."""
+        self.writer = ThreadWriter(
+            self.db, ttl=self.plan.lease_ttl, worker=self.plan.worker, linger=linger, settle=settle
+        )
 
     def _key_freed(self, pool: str) -> threading.Condition:
         with self._keys_lock:
@@ -134,7 +144,10 @@ class SyncShell:
 
     def hold(self, pairs: Sequence[sql.Pair]) -> dict[int, sql.Held]:
         """Take a message's jobs (extend their dispatch leases); duplicates are left out."""
-        held = self.db(sql.hold(pairs, ttl=self.plan.lease_ttl))
+        if self.writer is not None:
+            held = self.writer.hold(pairs)
+        else:
+            held = self.db(sql.hold(pairs, ttl=self.plan.lease_ttl))
         if len(held) < len(pairs):
             self.db(sql.bump({core.DUPLICATES: len(pairs) - len(held)}))
             log.info("suppressed %d duplicate or stale deliveries", len(pairs) - len(held))
@@ -142,7 +155,8 @@ class SyncShell:
 
     def run_held(self, jobs: Sequence[tuple[sql.Pair, sql.Held]]) -> Counter[str]:
         """Run held jobs one after another in this thread (they were sized to fit). Where a
-        job's end and the next job's start meet, they go in one statement (see :class:`Ahead`)."""
+        job's end and the next job's start meet, they go in one statement (see :class:`Ahead`),
+        unless this process groups its threads' writes (:meth:`group_writes`)."""
         tracked = [self.track(pair, h) for pair, h in jobs]
         counts: Counter[str] = Counter()
         attempts = [
@@ -159,7 +173,8 @@ class SyncShell:
         try:
             for i, gen in enumerate(attempts):
                 begun = ahead if ahead is not None and ahead.begun else None
-                ahead = Ahead(attempts[i + 1]) if i + 1 < len(attempts) else None
+                last = i + 1 == len(attempts) or self.writer is not None
+                ahead = None if last else Ahead(attempts[i + 1])
                 counts.update(self.drive(gen, begun, ahead))
         finally:
             if ahead is not None and ahead.begun:  # left early: its turn will not come
@@ -304,8 +319,12 @@ class SyncShell:
                 with freed:
                     freed.wait(seconds if until is None else min(seconds, until))
                 return None
+            case fx.Defer(row) if self.writer is not None:
+                return self.writer.defer(row)
             case fx.Defer(row):
                 return row.job_id in self.db(sql.defer([row]))
+            case fx.Start(job_id, token) if self.writer is not None:
+                return self.writer.start((job_id, token))
             case fx.Start(job_id, token):
                 query = sql.start(
                     [(job_id, token)], ttl=self.plan.lease_ttl, worker=self.plan.worker
@@ -319,6 +338,8 @@ class SyncShell:
                 return self.gate.rate_limited(lease, seconds, exhausted)
             case fx.DisableKey(lease):
                 return self.gate.rejected(lease)
+            case fx.Finish(row, ran) if self.writer is not None:
+                return self.writer.finish(row, ran)
             case fx.Finish(row):
                 return row.job_id in self.db(sql.finish([row]))
             case fx.ReleaseKey(lease, used, succeeded, announced):

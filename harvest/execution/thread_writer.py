@@ -1,0 +1,157 @@
+"""Grouped fenced writes for the sync jobs in flight in one ``-P threads`` or ``-P gevent``
+process: the threaded shell of :mod:`~harvest.execution.grouping` (read it first; the asyncio
+shell is :mod:`~harvest.execution.writer`).
+
+There is no writer thread. The thread that finds a kind with nobody gathering it becomes its
+leader: it waits out the kind's linger, writes what gathered meanwhile (its own rows and other
+threads') as one statement, on a connection of the process's pool, and gives each row its
+answer; if more rows gathered while it wrote, it hands the lead to the thread of the oldest of
+them, and goes back to its job. The others wait for their own rows' answers. This is group
+commit as Postgres does it for its WAL: one statement of a kind in flight, the rest gathering
+behind it, so the more threads are busy, the fewer statements and commits per job.
+
+A statement that fails for a transient reason is retried as the shell's every statement is
+(``run``, :meth:`SyncShell.db`). A crash loses at most the writes gathered and not yet
+committed: their jobs keep their leases, which expire, and rescue takes them back exactly as it
+does a single job's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from typing import Any
+
+import psycopg
+
+from harvest.execution import grouping, sql
+from harvest.execution.grouping import Kind
+
+
+class _Caller:
+    """A thread waiting for the answers to its rows, or told to lead its kind."""
+
+    __slots__ = ("futures", "leads", "woken")
+
+    def __init__(self) -> None:
+        self.futures: list[_Answer] = []
+        self.leads = False
+        self.woken = threading.Event()
+
+    def answered(self) -> bool:
+        return all(f.done() for f in self.futures)
+
+
+class _Answer(Future[Any]):
+    """One row's answer, and whose row it is."""
+
+    def __init__(self, caller: _Caller) -> None:
+        super().__init__()
+        self.caller = caller
+
+
+class ThreadWriter:
+    def __init__(
+        self,
+        run: Callable[[sql.Query[Any]], Any],
+        *,
+        ttl: float,
+        worker: str,
+        linger: float,
+        settle: float,
+    ) -> None:
+        self._run = run
+        self._linger, self._settle = linger, settle
+        self._kinds = grouping.kinds(ttl=ttl, worker=worker, linger=linger, settle=settle)
+        self._lock = threading.Lock()
+        self._led: set[str] = set()  # kinds a thread is gathering or writing
+        self.written = grouping.Counts()
+
+    def hold(self, pairs: Sequence[sql.Pair]) -> dict[int, sql.Held]:
+        """A message's jobs taken (duplicates and stale deliveries left out)."""
+        found = self._submit("hold", pairs)
+        return {pair[0]: held for pair, held in zip(pairs, found, strict=True) if held is not None}
+
+    def start(self, pair: sql.Pair) -> sql.StartResult | None:
+        return self._submit("start", [pair])[0]  # type: ignore[no-any-return]
+
+    def finish(self, row: sql.Finish, ran: float = 0.0) -> bool:
+        linger = grouping.finish_linger(self._linger, self._settle, ran)
+        return bool(self._submit("finish", [row], linger)[0])
+
+    def defer(self, row: sql.Defer) -> bool:
+        return bool(self._submit("defer", [row])[0])
+
+    def _submit(self, name: str, items: Sequence[Any], linger: float | None = None) -> list[Any]:
+        kind = self._kinds[name]
+        me = _Caller()
+        with self._lock:
+            now = time.monotonic()
+            for item in items:
+                answer = _Answer(me)
+                me.futures.append(answer)
+                kind.add((item, answer), now, linger)
+            if name not in self._led:
+                self._led.add(name)
+                me.leads = True
+        while not me.answered():
+            if me.leads:
+                me.leads = False
+                self._lead(name, kind, me)
+            else:
+                me.woken.wait()
+                me.woken.clear()
+        return [f.result() for f in me.futures]
+
+    def _lead(self, name: str, kind: Kind, me: _Caller) -> None:
+        """Gather ``kind`` for its linger, write it, then pass the lead on (or keep it, while
+        rows of this thread's own wait)."""
+        while True:
+            with self._lock:
+                wait = 0.0 if kind.full() else kind.due - time.monotonic()
+            if wait > 0:
+                time.sleep(wait)
+            with self._lock:
+                batch = kind.take(time.monotonic()) or []
+            nxt: _Caller | None = None
+            try:
+                if batch:
+                    self._write(kind, batch)
+            finally:
+                with self._lock:
+                    kind.busy = False
+                    if kind.waiting:
+                        nxt = kind.waiting[0][1].caller  # type: ignore[attr-defined]
+                        nxt.leads = nxt is not me
+                    else:
+                        self._led.discard(name)
+                for caller in {answer.caller for _, answer in batch}:  # type: ignore[attr-defined]
+                    if caller is not me and caller.answered():
+                        caller.woken.set()
+                if nxt is not None and nxt is not me:
+                    nxt.woken.set()
+            if nxt is not me:
+                return
+
+    def _write(self, kind: Kind, batch: list[grouping.Row]) -> None:
+        steps = grouping.written(kind, batch, self.written)
+        value: Any = None
+        error: BaseException | None = None
+        try:
+            while True:
+                try:
+                    query = steps.throw(error) if error is not None else steps.send(value)
+                except StopIteration:
+                    return
+                try:
+                    value, error = self._run(query), None
+                except psycopg.Error as exc:
+                    value, error = None, exc
+        except BaseException as exc:  # not Postgres's answer: every row still waiting gets it
+            for _, answer in batch:
+                if not answer.done():
+                    answer.set_exception(exc)
+            if not isinstance(exc, Exception):
+                raise
