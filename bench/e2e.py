@@ -31,6 +31,8 @@ from bench.subjects import (
 
 UNIT = "jobs/s"
 ASYNC = "harvest async"
+THREADS = "harvest threads"
+THREAD_POOL = ("--pool", "threads", "-c", "32")  # one process: within the 2-process budget
 
 
 def warmup_jobs(ctx: Ctx) -> int:
@@ -85,6 +87,7 @@ def run(ctx: Ctx) -> list[Row]:
     subjects: list[Subject] = [
         HarvestSubject(ctx, knobs),
         HarvestSubject(ctx, knobs, name=ASYNC, job=bench_jobs.NOOP_ASYNC, tag="async"),
+        HarvestSubject(ctx, knobs, name=THREADS, tag="threads", execution=THREAD_POOL),
         CelerySubject(ctx),
         ProcrastinateSubject(ctx),
         PgQueuerSubject(ctx),
@@ -105,10 +108,13 @@ def run(ctx: Ctx) -> list[Row]:
                 ),
                 Comparison("procrastinate", None, "vs procrastinate"),
             ],
-            note=f"{handler} handler, 2 execution processes (+ schedule worker, beat); "
-            f"knobs: {setup}",
+            note=f"{handler} handler, {how} (+ schedule worker, beat); knobs: {setup}",
         )
-        for name, handler in (("harvest", "def"), (ASYNC, "async def"))
+        for name, handler, how in (
+            ("harvest", "def", "2 execution processes"),
+            (ASYNC, "async def", "2 execution processes"),
+            (THREADS, "def", "1 execution process, " + " ".join(THREAD_POOL)),
+        )
     }
     rows |= {
         "plain Celery": Row(

@@ -84,6 +84,7 @@ class HarvestSubject:
     pool_keys: int = 0  # > 0: a key pool of that many keys gates the job
     tag: str = "harvest"
     imports: str = "bench.jobs"  # the module of the job, as HARVEST_IMPORTS
+    execution: tuple[str, ...] = ()  # the execution worker's pool options (none: prefork -c 2)
     db: Database | None = None
     client: Any = None
     conn: psycopg.Connection[Any] | None = None
@@ -106,7 +107,12 @@ class HarvestSubject:
             load_key_pool(self.client, self.pool_keys)
         self.conn = psycopg.connect(self.db.url, autocommit=True)
         self.ctx.later(self.conn.close)
-        self.ctx.harvest_workers(settings, self.knobs, tag=self.tag, imports=self.imports)
+        if not self.execution:
+            self.ctx.harvest_workers(settings, self.knobs, tag=self.tag, imports=self.imports)
+            return
+        env = {"HARVEST_DATABASE_URL": settings.database_url, "HARVEST_REDIS_URL": redis_url,
+               "HARVEST_IMPORTS": self.imports, **self.knobs}  # fmt: skip
+        self.ctx.harvest_workers_with(env, self.execution, tag=self.tag)
 
     def reset(self) -> None:
         """An empty queue, as a running system has between floods: every job gone but the
