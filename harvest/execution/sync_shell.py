@@ -5,7 +5,9 @@ No state is shared between threads except through locks: every statement checks 
 out of the process's pool and gives it back at once (so ``-P threads -c N`` needs a pool of
 about N, which the worker sizes), the heartbeat thread renews the leases of every job this
 process holds in one statement per round, and the watchdog ends attempts at their deadline
-where no signal can reach the handler.
+where no signal can reach the handler. Where a process runs sync jobs in several threads, their
+holds, starts, finishes and deferrals are grouped into one statement of each kind
+(:mod:`~harvest.execution.thread_writer`, :meth:`SyncShell.group_writes`).
 """
 
 from __future__ import annotations

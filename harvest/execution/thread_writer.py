@@ -66,7 +66,7 @@ class ThreadWriter:
         self._linger, self._settle = linger, settle
         self._kinds = grouping.kinds(ttl=ttl, worker=worker, linger=linger, settle=settle)
         self._lock = threading.Lock()
-        self._led: set[str] = set()  # kinds a thread is gathering or writing
+        self._leaders: dict[str, _Caller] = {}  # a kind -> the thread gathering or writing it
         self.written = grouping.Counts()
 
     def hold(self, pairs: Sequence[sql.Pair]) -> dict[int, sql.Held]:
@@ -93,47 +93,61 @@ class ThreadWriter:
                 answer = _Answer(me)
                 me.futures.append(answer)
                 kind.add((item, answer), now, linger)
-            if name not in self._led:
-                self._led.add(name)
+            if name not in self._leaders:
+                self._leaders[name] = me
                 me.leads = True
-        while not me.answered():
-            if me.leads:
-                me.leads = False
-                self._lead(name, kind, me)
-            else:
-                me.woken.wait()
-                me.woken.clear()
+        try:
+            while not me.answered():
+                if me.leads:
+                    me.leads = False
+                    self._lead(name, kind, me)
+                else:
+                    me.woken.wait()
+                    me.woken.clear()
+        except BaseException:  # interrupted (gevent.Timeout, KeyboardInterrupt): never leave
+            with self._lock:  # the others waiting for a leader that is gone
+                kind.waiting = [row for row in kind.waiting if _caller(row) is not me]
+                nxt = self._pass(name, kind, me) if self._leaders.get(name) is me else None
+            if nxt is not None:
+                nxt.woken.set()
+            raise
         return [f.result() for f in me.futures]
 
     def _lead(self, name: str, kind: Kind, me: _Caller) -> None:
         """Gather ``kind`` for its linger, write it, then pass the lead on (or keep it, while
         rows of this thread's own wait)."""
         while True:
-            with self._lock:
-                wait = 0.0 if kind.full() else kind.due - time.monotonic()
-            if wait > 0:
-                time.sleep(wait)
-            with self._lock:
-                batch = kind.take(time.monotonic()) or []
-            nxt: _Caller | None = None
+            batch: list[grouping.Row] = []
             try:
+                with self._lock:
+                    wait = 0.0 if kind.full() else kind.due - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                with self._lock:
+                    batch = kind.take(time.monotonic()) or []
                 if batch:
                     self._write(kind, batch)
             finally:
                 with self._lock:
                     kind.busy = False
-                    if kind.waiting:
-                        nxt = kind.waiting[0][1].caller  # type: ignore[attr-defined]
-                        nxt.leads = nxt is not me
-                    else:
-                        self._led.discard(name)
-                for caller in {answer.caller for _, answer in batch}:  # type: ignore[attr-defined]
+                    nxt = self._pass(name, kind, me)
+                for caller in {_caller(row) for row in batch}:
                     if caller is not me and caller.answered():
                         caller.woken.set()
                 if nxt is not None and nxt is not me:
                     nxt.woken.set()
             if nxt is not me:
                 return
+
+    def _pass(self, name: str, kind: Kind, me: _Caller) -> _Caller | None:
+        """(Under the lock.) The lead of ``kind`` to the thread of its oldest waiting row, told
+        so unless it is ``me``; None when no row waits (the kind is free)."""
+        if not kind.waiting:
+            del self._leaders[name]
+            return None
+        nxt = self._leaders[name] = _caller(kind.waiting[0])
+        nxt.leads = nxt is not me
+        return nxt
 
     def _write(self, kind: Kind, batch: list[grouping.Row]) -> None:
         steps = grouping.written(kind, batch, self.written)
@@ -149,9 +163,24 @@ class ThreadWriter:
                     value, error = self._run(query), None
                 except psycopg.Error as exc:
                     value, error = None, exc
-        except BaseException as exc:  # not Postgres's answer: every row still waiting gets it
+        except BaseException as exc:  # not Postgres's answer: every row still waiting gets one
+            failed = exc if isinstance(exc, Exception) else Interrupted(exc)
             for _, answer in batch:
                 if not answer.done():
-                    answer.set_exception(exc)
-            if not isinstance(exc, Exception):
+                    answer.set_exception(failed)
+            if failed is not exc:
                 raise
+
+
+class Interrupted(RuntimeError):
+    """The thread writing a statement was interrupted (``error``) before it was answered: the
+    rows of other threads in it may or may not have been written."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(f"the statement's writer was interrupted ({type(error).__name__})")
+
+
+def _caller(row: grouping.Row) -> _Caller:
+    answer = row[1]
+    assert isinstance(answer, _Answer)
+    return answer.caller

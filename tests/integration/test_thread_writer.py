@@ -147,3 +147,70 @@ def test_a_failure_that_is_not_postgres_s_reaches_every_waiting_thread(
     assert _at_once(8, start) == ["raised"] * 8  # none left waiting for an answer
     assert time.monotonic() - began < 5
     assert calls <= 3
+
+
+class _Stopped(BaseException):
+    """Not an Exception: as gevent.Timeout or KeyboardInterrupt reach a thread."""
+
+
+def test_a_leader_interrupted_mid_statement_leaves_no_thread_waiting_and_the_kind_usable(
+    clean_db: Engine, migrated: Settings
+) -> None:
+    jobs = _dispatched(clean_db, 9)
+    with _pool(migrated) as pool:
+        real = _writer(pool)._run
+        calls = 0
+
+        def interrupted_once(query: sql.Query[Any]) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls == 1:
+                time.sleep(0.05)  # the others gather behind it
+                raise _Stopped()
+            return real(query)
+
+        writer = ThreadWriter(interrupted_once, ttl=30.0, worker="w", linger=0.002, settle=0.02)
+
+        def start(i: int) -> str:
+            try:
+                return "started" if writer.start(jobs[i]) is not None else "refused"
+            except _Stopped:
+                return "stopped"  # the leader itself
+            except RuntimeError as exc:
+                return type(exc).__name__  # Interrupted: the rows of its statement
+
+        answers = _at_once(8, start)
+        assert answers.count("stopped") == 1
+        assert set(answers) <= {"stopped", "Interrupted", "started"}
+        assert writer.start(jobs[8]) is not None  # the kind has a leader again
+
+
+def test_a_thread_pool_process_writes_its_threads_jobs_together(
+    jobs_app: Callable[..., Any], clean_db: Engine
+) -> None:
+    """What the Celery task does, in 16 threads of one process as ``-P threads -c 16`` runs it:
+    16 messages of one job each (50 ms). Each job is held, started and finished; the threads'
+    writes of a kind share statements. A prefork child (one thread) pairs each job's end with
+    the next one's start instead."""
+    from harvest.runner import Runner
+    from tests.helpers import body, claim_all
+
+    app = jobs_app()
+    ids = [app.enqueue("sleepy", {"seconds": 0.05}).id for _ in range(16)]
+    claimed = claim_all(clean_db)
+    threads = Runner(app, pool="threads", concurrency=16)
+    try:
+        assert threads.sync.writer is not None
+        counts = _at_once(16, lambda i: threads.execute(body([claimed[i]])))
+        written = threads.sync.writer.written
+    finally:
+        threads.close()
+    assert sum(c["started"] for c in counts) == 16
+    assert _statuses(clean_db, ids) == {"succeeded": 16}
+    assert written.rows == 3 * 16  # a hold, a start and a finish each
+    assert written.statements <= 12, written.statements  # 48 one at a time
+    prefork = Runner(app)
+    try:
+        assert prefork.sync.writer is None
+    finally:
+        prefork.close()
