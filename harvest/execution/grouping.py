@@ -8,10 +8,10 @@ refused alone, never the group. A row waits at most its kind's linger after it a
 the statement of its kind in flight is done, whichever is later: each kind has at most one
 statement in flight (group commit), so the busier the process, the larger each statement, and no
 write waits on a timer while the database is idle. A statement that fails for a row's data is
-split so that only that row fails (:func:`written`).
+split so that only that row fails (:class:`Writing`).
 
 Nothing here does I/O or knows what a future is made of: a shell keeps the time, waits, runs the
-statements :func:`written` yields and completes the futures it is given (asyncio's or
+statements a :class:`Writing` names and completes the futures it is given (asyncio's or
 ``concurrent.futures``', both have ``done``, ``set_result`` and ``set_exception``).
 """
 
@@ -107,6 +107,27 @@ class Counts:
     def __init__(self) -> None:
         self.statements = 0
         self.rows = 0
+
+
+class Writing:
+    """One batch being written: :attr:`query` is the next statement to run (None: every row
+    has its answer). The shell runs it and reports :meth:`answered` or :meth:`failed`."""
+
+    def __init__(self, kind: Kind, batch: list[Row], counts: Counts) -> None:
+        self._steps = written(kind, batch, counts)
+        self.query: sql.Query[Any] | None = self._advance(None, None)
+
+    def answered(self, value: Any) -> None:
+        self.query = self._advance(value, None)
+
+    def failed(self, error: psycopg.Error) -> None:
+        self.query = self._advance(None, error)
+
+    def _advance(self, value: Any, error: BaseException | None) -> sql.Query[Any] | None:
+        try:
+            return self._steps.throw(error) if error is not None else self._steps.send(value)
+        except StopIteration:
+            return None
 
 
 def written(kind: Kind, batch: list[Row], counts: Counts) -> Generator[sql.Query[Any], Any, None]:

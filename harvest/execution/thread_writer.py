@@ -150,19 +150,13 @@ class ThreadWriter:
         return nxt
 
     def _write(self, kind: Kind, batch: list[grouping.Row]) -> None:
-        steps = grouping.written(kind, batch, self.written)
-        value: Any = None
-        error: BaseException | None = None
+        writing = grouping.Writing(kind, batch, self.written)
         try:
-            while True:
+            while writing.query is not None:
                 try:
-                    query = steps.throw(error) if error is not None else steps.send(value)
-                except StopIteration:
-                    return
-                try:
-                    value, error = self._run(query), None
+                    writing.answered(self._run(writing.query))
                 except psycopg.Error as exc:
-                    value, error = None, exc
+                    writing.failed(exc)
         except BaseException as exc:  # not Postgres's answer: every row still waiting gets one
             failed = exc if isinstance(exc, Exception) else Interrupted(exc)
             for _, answer in batch:

@@ -172,18 +172,12 @@ class Writer:
         task.add_done_callback(self._tasks.discard)
 
     async def _write(self, kind: Kind, batch: list[grouping.Row]) -> None:
-        steps = grouping.written(kind, batch, self.written)
-        value: Any = None
-        error: BaseException | None = None
-        while True:
+        writing = grouping.Writing(kind, batch, self.written)
+        while writing.query is not None:
             try:
-                query = steps.throw(error) if error is not None else steps.send(value)
-            except StopIteration:
-                return
-            try:
-                value, error = await self.run(query), None
+                writing.answered(await self.run(writing.query))
             except psycopg.Error as exc:
-                value, error = None, exc
+                writing.failed(exc)
 
     async def _write_counts(self, counts: Counter[str]) -> None:
         try:
