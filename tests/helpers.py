@@ -3,6 +3,7 @@ what the test jobs did, and a broker that records what the dispatcher publishes.
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -10,7 +11,9 @@ from sqlalchemy import Engine, text
 
 from harvest import store
 from harvest.broker import Broker
+from harvest.execution import sql
 from harvest.jobs import Claimed
+from harvest.models import JobStatus
 from harvest.settings import Settings
 
 
@@ -23,6 +26,40 @@ def claim_all(engine: Engine) -> list[Claimed]:
 def body(claimed: list[Claimed]) -> list[list[Any]]:
     """The message a worker gets for ``claimed``: ``[[id, token], ...]``."""
     return [[c.id, str(c.token)] for c in claimed]
+
+
+def statuses(engine: Engine, ids: list[int]) -> dict[str, int]:
+    """How many of the jobs ``ids`` are in each status: ``{"succeeded": 3, ...}`` (wherever they
+    are: the jobs table or the history)."""
+    with engine.connect() as conn:
+        rows = conn.execute(
+            text(
+                "SELECT status, count(*) FROM harvest_jobs_all WHERE id = ANY(:ids) GROUP BY status"
+            ),
+            {"ids": ids},
+        ).all()
+    return {r[0]: r[1] for r in rows}
+
+
+def dispatched(engine: Engine, n: int) -> list[sql.Pair]:
+    """``n`` jobs as a dispatcher leaves them (dispatched, leased for a minute): their ids and
+    tokens, for the fenced writes of an attempt."""
+    with engine.begin() as conn:
+        rows = conn.execute(
+            text(
+                "INSERT INTO harvest_jobs (name, status, lease_token, dispatched_at, "
+                "lease_expires_at) SELECT 'writer.test', 'dispatched', gen_random_uuid(), now(), "
+                "now() + interval '60 seconds' FROM generate_series(1, :n) "
+                "RETURNING id, lease_token"
+            ),
+            {"n": n},
+        ).all()
+    return [(int(r.id), uuid.UUID(str(r.lease_token))) for r in rows]
+
+
+def succeeded(pair: sql.Pair) -> sql.Finish:
+    """The fenced finish of ``pair``'s attempt as a success."""
+    return sql.Finish(pair[0], pair[1], JobStatus.SUCCEEDED, result_json="1")
 
 
 def effect_count(engine: Engine, job_id: int) -> int:

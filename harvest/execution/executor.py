@@ -61,11 +61,10 @@ class Executor:
             lease_ttl=settings.lease_ttl,
             known=tuple(sorted(app.jobs)),
         )
-        self.sync = SyncShell(app, self.plan)
-        if pool in GROUPED_POOLS and concurrency > 1:  # several sync jobs in flight: group
-            self.sync.group_writes(  # their writes, as the event loop does its jobs'
-                linger=settings.write_linger_ms / 1000, settle=settings.settle_linger_ms / 1000
-            )
+        lingers = (settings.write_linger_ms / 1000, settings.settle_linger_ms / 1000)
+        # several sync jobs in flight: group their writes, as the event loop does its jobs'
+        grouped = pool in GROUPED_POOLS and concurrency > 1
+        self.sync = SyncShell(app, self.plan, lingers=lingers if grouped else None)
         self.usage = Flusher(app.engine, self.sync.usage, interval=settings.usage_flush_interval)
         self.async_concurrency = settings.async_concurrency
         self._aio: AsyncRuntime | None = None

@@ -58,7 +58,7 @@ class Kind:
         due = now + (self.linger if linger is None else linger)
         self.due = min(self.due, due) if self.waiting else due
         self.waiting.append(row)
-        return len(self.waiting) >= MAX_ROWS
+        return self.full()
 
     def full(self) -> bool:
         return len(self.waiting) >= MAX_ROWS

@@ -7,7 +7,7 @@ about N, which the worker sizes), the heartbeat thread renews the leases of ever
 process holds in one statement per round, and the watchdog ends attempts at their deadline
 where no signal can reach the handler. Where a process runs sync jobs in several threads, their
 holds, starts, finishes and deferrals are grouped into one statement of each kind
-(:mod:`~harvest.execution.thread_writer`, :meth:`SyncShell.group_writes`).
+(:mod:`~harvest.execution.thread_writer`; ``lingers`` of :class:`SyncShell`).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from harvest.execution import core, handoff, limits, patience, sql, tracking
 from harvest.execution import effects as fx
 from harvest.execution.heartbeat import HeartbeatThread
 from harvest.execution.observe import Received, notify
-from harvest.execution.thread_writer import ThreadWriter
+from harvest.execution.thread_writer import ThreadWriter, Writes
 from harvest.execution.tracking import Tracked
 from harvest.gate import Gate
 from harvest.outage import POSTGRES, service_of
@@ -113,7 +113,14 @@ def caught(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | Non
 
 
 class SyncShell:
-    def __init__(self, app: Harvest, plan: core.Plan) -> None:
+    """``lingers`` (the write linger and the settle linger, in seconds) gathers the holds,
+    starts, finishes and deferrals of the jobs this process's threads run into one statement of
+    each kind (``-P threads`` and ``-P gevent``: several jobs in flight), as the asyncio shell
+    does for its jobs; None writes each alone."""
+
+    def __init__(
+        self, app: Harvest, plan: core.Plan, *, lingers: tuple[float, float] | None = None
+    ) -> None:
         self.app = app
         self.plan = plan
         self.gate = Gate(app)
@@ -128,14 +135,11 @@ class SyncShell:
         self.usage = Tally()  # calls made with keys, written in windows by the executor
         self._keys_lock = threading.Lock()
         self._keys_freed: dict[str, threading.Condition] = {}  # a pool -> its waiters
-        self.writer: ThreadWriter | None = None  # grouped writes: see group_writes()
-
-    def group_writes(self, *, linger: float, settle: float) -> None:
-        """Gather the holds, starts, finishes and deferrals of the jobs this process's threads
-        run into one statement of each kind (``-P threads`` and ``-P gevent``: several jobs in
-        flight), as the asyncio shell does for its jobs."""
-        self.writer = ThreadWriter(
-            self.db, ttl=self.plan.lease_ttl, worker=self.plan.worker, linger=linger, settle=settle
+        ttl, worker = plan.lease_ttl, plan.worker
+        self.writer: Writes = (
+            Writes(self.db, ttl=ttl, worker=worker)
+            if lingers is None
+            else ThreadWriter(self.db, ttl=ttl, worker=worker, linger=lingers[0], settle=lingers[1])
         )
 
     def _key_freed(self, pool: str) -> threading.Condition:
@@ -146,10 +150,7 @@ class SyncShell:
 
     def hold(self, pairs: Sequence[sql.Pair]) -> dict[int, sql.Held]:
         """Take a message's jobs (extend their dispatch leases); duplicates are left out."""
-        if self.writer is not None:
-            held = self.writer.hold(pairs)
-        else:
-            held = self.db(sql.hold(pairs, ttl=self.plan.lease_ttl))
+        held = self.writer.hold(pairs)
         if len(held) < len(pairs):
             self.db(sql.bump({core.DUPLICATES: len(pairs) - len(held)}))
             log.info("suppressed %d duplicate or stale deliveries", len(pairs) - len(held))
@@ -158,7 +159,7 @@ class SyncShell:
     def run_held(self, jobs: Sequence[tuple[sql.Pair, sql.Held]]) -> Counter[str]:
         """Run held jobs one after another in this thread (they were sized to fit). Where a
         job's end and the next job's start meet, they go in one statement (see :class:`Ahead`),
-        unless this process groups its threads' writes (:meth:`group_writes`)."""
+        unless this process groups its threads' writes (``lingers``)."""
         tracked = [self.track(pair, h) for pair, h in jobs]
         counts: Counter[str] = Counter()
         attempts = [
@@ -175,7 +176,7 @@ class SyncShell:
         try:
             for i, gen in enumerate(attempts):
                 begun = ahead if ahead is not None and ahead.begun else None
-                last = i + 1 == len(attempts) or self.writer is not None
+                last = i + 1 == len(attempts) or self.writer.grouped
                 ahead = None if last else Ahead(attempts[i + 1])
                 counts.update(self.drive(gen, begun, ahead))
         finally:
@@ -321,17 +322,10 @@ class SyncShell:
                 with freed:
                     freed.wait(seconds if until is None else min(seconds, until))
                 return None
-            case fx.Defer(row) if self.writer is not None:
-                return self.writer.defer(row)
             case fx.Defer(row):
-                return row.job_id in self.db(sql.defer([row]))
-            case fx.Start(job_id, token) if self.writer is not None:
-                return self.writer.start((job_id, token))
+                return self.writer.defer(row)
             case fx.Start(job_id, token):
-                query = sql.start(
-                    [(job_id, token)], ttl=self.plan.lease_ttl, worker=self.plan.worker
-                )
-                return self.db(query).get(job_id)
+                return self.writer.start((job_id, token))
             case fx.Secret(lease):
                 return self.gate.secret(lease)
             case fx.RunHandler():
@@ -340,10 +334,8 @@ class SyncShell:
                 return self.gate.rate_limited(lease, seconds, exhausted)
             case fx.DisableKey(lease):
                 return self.gate.rejected(lease)
-            case fx.Finish(row, ran) if self.writer is not None:
+            case fx.Finish(row, ran):
                 return self.writer.finish(row, ran)
-            case fx.Finish(row):
-                return row.job_id in self.db(sql.finish([row]))
             case fx.ReleaseKey(lease, used, succeeded, announced):
                 self.gate.release(lease, used, succeeded, announced)
                 self._wake_one(lease.pool)

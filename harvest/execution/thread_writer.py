@@ -52,7 +52,51 @@ class _Answer(Future[Any]):
         self.caller = caller
 
 
-class ThreadWriter:
+class Writes:
+    """The fenced writes of a process's sync jobs (holds, starts, finishes, deferrals) and
+    each row's answer. Here each is a statement of its own: a process that runs one sync job at
+    a time (prefork, solo) has nothing to group them with. :class:`ThreadWriter` groups them."""
+
+    grouped = False
+
+    def __init__(
+        self,
+        run: Callable[[sql.Query[Any]], Any],
+        *,
+        ttl: float,
+        worker: str,
+        linger: float = 0.0,
+        settle: float = 0.0,
+    ) -> None:
+        self._run = run
+        self._linger, self._settle = linger, settle
+        self._kinds = grouping.kinds(ttl=ttl, worker=worker, linger=linger, settle=settle)
+
+    def hold(self, pairs: Sequence[sql.Pair]) -> dict[int, sql.Held]:
+        """A message's jobs taken (duplicates and stale deliveries left out)."""
+        found = self.write("hold", pairs)
+        return {pair[0]: held for pair, held in zip(pairs, found, strict=True) if held is not None}
+
+    def start(self, pair: sql.Pair) -> sql.StartResult | None:
+        return self.write("start", [pair])[0]  # type: ignore[no-any-return]
+
+    def finish(self, row: sql.Finish, ran: float = 0.0) -> bool:
+        linger = grouping.finish_linger(self._linger, self._settle, ran)
+        return bool(self.write("finish", [row], linger)[0])
+
+    def defer(self, row: sql.Defer) -> bool:
+        return bool(self.write("defer", [row])[0])
+
+    def write(self, name: str, items: Sequence[Any], linger: float | None = None) -> list[Any]:
+        """Each item's answer to a write of kind ``name`` (:func:`grouping.kinds`)."""
+        kind = self._kinds[name]
+        found = self._run(kind.build(items))
+        return [kind.pick(found, item) for item in items]
+
+
+class ThreadWriter(Writes):
+    grouped = True
+
     def __init__(
         self,
         run: Callable[[sql.Query[Any]], Any],
@@ -62,29 +106,14 @@ class ThreadWriter:
         linger: float,
         settle: float,
     ) -> None:
-        self._run = run
-        self._linger, self._settle = linger, settle
-        self._kinds = grouping.kinds(ttl=ttl, worker=worker, linger=linger, settle=settle)
+        super().__init__(run, ttl=ttl, worker=worker, linger=linger, settle=settle)
         self._lock = threading.Lock()
         self._leaders: dict[str, _Caller] = {}  # a kind -> the thread gathering or writing it
         self.written = grouping.Counts()
 
-    def hold(self, pairs: Sequence[sql.Pair]) -> dict[int, sql.Held]:
-        """A message's jobs taken (duplicates and stale deliveries left out)."""
-        found = self._submit("hold", pairs)
-        return {pair[0]: held for pair, held in zip(pairs, found, strict=True) if held is not None}
-
-    def start(self, pair: sql.Pair) -> sql.StartResult | None:
-        return self._submit("start", [pair])[0]  # type: ignore[no-any-return]
-
-    def finish(self, row: sql.Finish, ran: float = 0.0) -> bool:
-        linger = grouping.finish_linger(self._linger, self._settle, ran)
-        return bool(self._submit("finish", [row], linger)[0])
-
-    def defer(self, row: sql.Defer) -> bool:
-        return bool(self._submit("defer", [row])[0])
-
-    def _submit(self, name: str, items: Sequence[Any], linger: float | None = None) -> list[Any]:
+    def write(self, name: str, items: Sequence[Any], linger: float | None = None) -> list[Any]:
+        """Each item's answer, written in the next statement of its kind with what the other
+        threads gathered (this thread leading it, or waiting for the thread that does)."""
         kind = self._kinds[name]
         me = _Caller()
         with self._lock:

@@ -59,11 +59,6 @@ class Writer:
         self._draining = False  # shutdown: nothing lingers
         self.written = grouping.Counts()
 
-    @property
-    def statements(self) -> int:
-        """Statements written so far (for tests and the log)."""
-        return self.written.statements
-
     async def hold(self, pair: sql.Pair) -> sql.Held | None:
         """Take a delivered job (None: a duplicate or stale delivery, not ours to run)."""
         return await self._submit("hold", pair)  # type: ignore[no-any-return]

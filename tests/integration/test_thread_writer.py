@@ -20,7 +20,7 @@ from harvest.execution import sql
 from harvest.execution.thread_writer import ThreadWriter
 from harvest.models import JobStatus
 from harvest.settings import Settings
-from tests.integration.test_writer import _dispatched, _done
+from tests.helpers import dispatched, statuses, succeeded
 
 THREADS = 32
 
@@ -39,15 +39,6 @@ def _pool(settings: Settings) -> ConnectionPool[Any]:
     )
 
 
-def _statuses(engine: Engine, ids: list[int]) -> dict[str, int]:
-    with engine.connect() as conn:
-        rows = conn.execute(
-            text("SELECT status, count(*) FROM harvest_jobs WHERE id = ANY(:ids) GROUP BY 1"),
-            {"ids": ids},
-        ).all()
-    return {str(r[0]): int(r[1]) for r in rows}
-
-
 def _at_once(n: int, fn: Callable[[int], Any]) -> list[Any]:
     """``fn(0..n-1)``, each in its own thread, all let go together."""
     gate = threading.Barrier(n)
@@ -63,17 +54,17 @@ def _at_once(n: int, fn: Callable[[int], Any]) -> list[Any]:
 def test_the_starts_and_finishes_of_many_threads_share_statements(
     clean_db: Engine, migrated: Settings
 ) -> None:
-    jobs = _dispatched(clean_db, THREADS)
+    jobs = dispatched(clean_db, THREADS)
     with _pool(migrated) as pool:
         writer = _writer(pool)
 
         def life(i: int) -> tuple[bool, bool]:
             started = writer.start(jobs[i])
-            return started is not None, writer.finish(_done(jobs[i]), ran=0.001)
+            return started is not None, writer.finish(succeeded(jobs[i]), ran=0.001)
 
         answers = _at_once(THREADS, life)
     assert answers == [(True, True)] * THREADS  # each job started and finished by its token
-    assert _statuses(clean_db, [pair[0] for pair in jobs]) == {"succeeded": THREADS}
+    assert statuses(clean_db, [pair[0] for pair in jobs]) == {"succeeded": THREADS}
     # 64 writes; one statement each without grouping. Started together, they gather behind
     # the statement in flight of their kind.
     assert writer.written.rows == 2 * THREADS
@@ -81,7 +72,7 @@ def test_the_starts_and_finishes_of_many_threads_share_statements(
 
 
 def test_a_row_whose_lease_was_taken_is_refused_alone(clean_db: Engine, migrated: Settings) -> None:
-    jobs = _dispatched(clean_db, THREADS)
+    jobs = dispatched(clean_db, THREADS)
     with _pool(migrated) as pool:
         writer = _writer(pool, linger=0.05)  # long enough that all of them share a statement
         for pair in jobs:
@@ -93,24 +84,24 @@ def test_a_row_whose_lease_was_taken_is_refused_alone(clean_db: Engine, migrated
                 {"t": str(uuid.uuid4()), "id": stale[0]},
             )
         before = writer.written.statements
-        recorded = _at_once(THREADS, lambda i: writer.finish(_done(jobs[i]), ran=0.001))
+        recorded = _at_once(THREADS, lambda i: writer.finish(succeeded(jobs[i]), ran=0.001))
     assert recorded == [pair != stale for pair in jobs]
     assert writer.written.statements - before <= 2
-    assert _statuses(clean_db, [pair[0] for pair in jobs]) == {
+    assert statuses(clean_db, [pair[0] for pair in jobs]) == {
         "succeeded": THREADS - 1,
         "running": 1,
     }
 
 
 def test_a_row_that_breaks_the_statement_fails_alone(clean_db: Engine, migrated: Settings) -> None:
-    jobs = _dispatched(clean_db, 8)
+    jobs = dispatched(clean_db, 8)
     with _pool(migrated) as pool:
         writer = _writer(pool, linger=0.05)
         for pair in jobs:
             assert writer.start(pair) is not None
 
         def finish(i: int) -> Any:
-            row = _done(jobs[i])
+            row = succeeded(jobs[i])
             if i == 3:  # not JSON: the whole statement fails on it
                 row = sql.Finish(row.job_id, row.token, JobStatus.SUCCEEDED, result_json="{oops")
             try:
@@ -121,13 +112,13 @@ def test_a_row_that_breaks_the_statement_fails_alone(clean_db: Engine, migrated:
         answers = _at_once(8, finish)
     assert answers[3] == "InvalidTextRepresentation"
     assert answers[:3] + answers[4:] == [True] * 7
-    assert _statuses(clean_db, [pair[0] for pair in jobs]) == {"succeeded": 7, "running": 1}
+    assert statuses(clean_db, [pair[0] for pair in jobs]) == {"succeeded": 7, "running": 1}
 
 
 def test_a_failure_that_is_not_postgres_s_reaches_every_waiting_thread(
     clean_db: Engine, migrated: Settings
 ) -> None:
-    jobs = _dispatched(clean_db, 8)
+    jobs = dispatched(clean_db, 8)
     calls = 0
 
     def broken(query: sql.Query[Any]) -> Any:
@@ -156,7 +147,7 @@ class _Stopped(BaseException):
 def test_a_leader_interrupted_mid_statement_leaves_no_thread_waiting_and_the_kind_usable(
     clean_db: Engine, migrated: Settings
 ) -> None:
-    jobs = _dispatched(clean_db, 9)
+    jobs = dispatched(clean_db, 9)
     with _pool(migrated) as pool:
         real = _writer(pool)._run
         calls = 0
@@ -200,17 +191,17 @@ def test_a_thread_pool_process_writes_its_threads_jobs_together(
     claimed = claim_all(clean_db)
     threads = Runner(app, pool="threads", concurrency=16)
     try:
-        assert threads.sync.writer is not None
+        assert isinstance(threads.sync.writer, ThreadWriter)
         counts = _at_once(16, lambda i: threads.execute(body([claimed[i]])))
         written = threads.sync.writer.written
     finally:
         threads.close()
     assert sum(c["started"] for c in counts) == 16
-    assert _statuses(clean_db, ids) == {"succeeded": 16}
+    assert statuses(clean_db, ids) == {"succeeded": 16}
     assert written.rows == 3 * 16  # a hold, a start and a finish each
     assert written.statements <= 12, written.statements  # 48 one at a time
     prefork = Runner(app)
     try:
-        assert prefork.sync.writer is None
+        assert not prefork.sync.writer.grouped
     finally:
         prefork.close()

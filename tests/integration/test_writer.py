@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
@@ -14,22 +13,8 @@ from sqlalchemy import Engine, text
 from harvest.db import connect_options
 from harvest.execution import sql
 from harvest.execution.writer import Writer
-from harvest.models import JobStatus
 from harvest.settings import Settings
-
-
-def _dispatched(engine: Engine, n: int) -> list[sql.Pair]:
-    with engine.begin() as conn:
-        rows = conn.execute(
-            text(
-                "INSERT INTO harvest_jobs (name, status, lease_token, dispatched_at, "
-                "lease_expires_at) SELECT 'writer.test', 'dispatched', gen_random_uuid(), now(), "
-                "now() + interval '60 seconds' FROM generate_series(1, :n) "
-                "RETURNING id, lease_token"
-            ),
-            {"n": n},
-        ).all()
-    return [(int(r.id), uuid.UUID(str(r.lease_token))) for r in rows]
+from tests.helpers import dispatched, succeeded
 
 
 async def _with_writer(settings: Settings, settle: float, body: Any) -> Any:
@@ -53,25 +38,21 @@ async def _started(writer: Writer, jobs: list[sql.Pair]) -> None:
         assert started is not None
 
 
-def _done(pair: sql.Pair) -> sql.Finish:
-    return sql.Finish(pair[0], pair[1], JobStatus.SUCCEEDED, result_json="1")
-
-
 def test_finishes_of_long_calls_that_come_within_the_settle_linger_share_one_statement(
     clean_db: Engine, migrated: Settings
 ) -> None:
-    jobs = _dispatched(clean_db, 5)
+    jobs = dispatched(clean_db, 5)
 
     async def body(writer: Writer) -> tuple[list[bool], int, float]:
         await _started(writer, jobs)
-        before = writer.statements
+        before = writer.written.statements
         began = time.monotonic()
         futures = []
         for pair in jobs:  # 30 ms apart: each would be a statement of its own at 2 ms
-            futures.append(asyncio.ensure_future(writer.finish(_done(pair), ran=60.0)))
+            futures.append(asyncio.ensure_future(writer.finish(succeeded(pair), ran=60.0)))
             await asyncio.sleep(0.03)
         recorded = await asyncio.gather(*futures)
-        return recorded, writer.statements - before, time.monotonic() - began
+        return recorded, writer.written.statements - before, time.monotonic() - began
 
     recorded, statements, took = asyncio.run(_with_writer(migrated, 0.3, body))
     assert all(recorded)  # every job finished, each by its own token
@@ -80,14 +61,14 @@ def test_finishes_of_long_calls_that_come_within_the_settle_linger_share_one_sta
 
 
 def test_a_short_job_is_not_held_by_the_settle_linger(clean_db: Engine, migrated: Settings) -> None:
-    jobs = _dispatched(clean_db, 3)
+    jobs = dispatched(clean_db, 3)
 
     async def body(writer: Writer) -> float:
         await _started(writer, jobs)
         began = time.monotonic()
         await writer.hold(jobs[0])  # a hold goes at the write linger
-        await writer.finish(_done(jobs[1]), ran=0.001)  # so does a short job's finish
-        await writer.finish(_done(jobs[2]), ran=50.0)  # a fiftieth of 50 s: 1 s, under 30 s
+        await writer.finish(succeeded(jobs[1]), ran=0.001)  # so does a short job's finish
+        await writer.finish(succeeded(jobs[2]), ran=50.0)  # a fiftieth of 50 s: 1 s, under 30 s
         return time.monotonic() - began
 
     took = asyncio.run(_with_writer(migrated, 30.0, body))
@@ -95,11 +76,11 @@ def test_a_short_job_is_not_held_by_the_settle_linger(clean_db: Engine, migrated
 
 
 def test_shutdown_writes_what_lingers_at_once(clean_db: Engine, migrated: Settings) -> None:
-    (pair,) = _dispatched(clean_db, 1)
+    (pair,) = dispatched(clean_db, 1)
 
     async def body(writer: Writer) -> tuple[bool, float]:
         await _started(writer, [pair])
-        finishing = asyncio.ensure_future(writer.finish(_done(pair), ran=3600.0))
+        finishing = asyncio.ensure_future(writer.finish(succeeded(pair), ran=3600.0))
         await asyncio.sleep(0.05)
         began = time.monotonic()
         await writer.drain()
@@ -124,7 +105,7 @@ def test_a_grouped_finish_rolled_back_to_break_a_deadlock_is_tried_again(
 
     import psycopg
 
-    jobs = _dispatched(clean_db, 2)
+    jobs = dispatched(clean_db, 2)
     first, second = sorted(jobs)
     other = psycopg.connect(migrated.psycopg_url)
     other.execute("SET deadlock_timeout = '30s'")  # the writer's check finds the cycle first
@@ -140,7 +121,7 @@ def test_a_grouped_finish_rolled_back_to_break_a_deadlock_is_tried_again(
 
         locker = threading.Thread(target=lock_first_later)
         locker.start()
-        finished = await writer.run(sql.finish([_done(first), _done(second)]))
+        finished = await writer.run(sql.finish([succeeded(first), succeeded(second)]))
         await asyncio.to_thread(locker.join, 15)
         return set(finished)
 

@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 import redis
-from sqlalchemy import Engine, text
+from sqlalchemy import Engine
 
 from harvest.app import Harvest
 from harvest.procs import ProcessGroup
@@ -167,19 +167,6 @@ def pg_count(settings: Settings, sql: str) -> int:
     with psycopg.connect(settings.psycopg_url) as conn:
         row = conn.execute(sql).fetchone()
         return int(row[0]) if row else 0
-
-
-def statuses(engine: Engine, ids: list[int]) -> dict[str, int]:
-    """How many of the jobs ``ids`` are in each status: ``{"succeeded": 3, ...}`` (wherever they
-    are: the jobs table or the history)."""
-    with engine.connect() as conn:
-        rows = conn.execute(
-            text(
-                "SELECT status, count(*) FROM harvest_jobs_all WHERE id = ANY(:ids) GROUP BY status"
-            ),
-            {"ids": ids},
-        ).all()
-    return {r[0]: r[1] for r in rows}
 
 
 class PrivateRedis:

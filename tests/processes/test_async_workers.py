@@ -22,8 +22,9 @@ from sqlalchemy import Engine, text
 from harvest import keystore
 from harvest.app import Harvest
 from harvest.settings import Settings
+from tests.helpers import statuses
 from tests.processes.api_server import ApiServer, max_overlap
-from tests.processes.conftest import Cluster, statuses, wait_until
+from tests.processes.conftest import Cluster, wait_until
 
 pytestmark = pytest.mark.slow
 

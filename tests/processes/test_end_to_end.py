@@ -18,8 +18,9 @@ from sqlalchemy import Engine, text
 
 from harvest.app import Harvest
 from harvest.models import JobStatus
+from tests.helpers import statuses
 from tests.pgbouncer import POOL_SIZE, PgBouncer
-from tests.processes.conftest import Cluster, statuses, wait_until
+from tests.processes.conftest import Cluster, wait_until
 
 pytestmark = [
     pytest.mark.slow,

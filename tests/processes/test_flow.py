@@ -14,7 +14,8 @@ from sqlalchemy import Engine, text
 
 from harvest.app import Harvest
 from harvest.models import JobStatus
-from tests.processes.conftest import Cluster, statuses, wait_until
+from tests.helpers import statuses
+from tests.processes.conftest import Cluster, wait_until
 
 pytestmark = pytest.mark.slow
 

@@ -16,7 +16,8 @@ from sqlalchemy import Engine, text
 from harvest import store
 from harvest.app import Harvest
 from harvest.web import auth, create_app
-from tests.processes.conftest import Cluster, statuses, wait_until
+from tests.helpers import statuses
+from tests.processes.conftest import Cluster, wait_until
 from tests.web.conftest import Server
 
 pytestmark = pytest.mark.slow

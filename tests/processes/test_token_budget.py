@@ -20,7 +20,8 @@ from harvest import keystore
 from harvest.app import Harvest
 from harvest.loopback import LoopKey, start_loopback, window_peaks
 from harvest.settings import Settings
-from tests.processes.conftest import Cluster, statuses, wait_until
+from tests.helpers import statuses
+from tests.processes.conftest import Cluster, wait_until
 
 pytestmark = pytest.mark.slow
 
