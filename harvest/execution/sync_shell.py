@@ -136,10 +136,14 @@ class SyncShell:
         self._keys_lock = threading.Lock()
         self._keys_freed: dict[str, threading.Condition] = {}  # a pool -> its waiters
         ttl, worker = plan.lease_ttl, plan.worker
+
+        def run(query: sql.Query[T]) -> T:  # whatever self.db is when it runs
+            return self.db(query)
+
         self.writer: Writes = (
-            Writes(self.db, ttl=ttl, worker=worker)
+            Writes(run, ttl=ttl, worker=worker)
             if lingers is None
-            else ThreadWriter(self.db, ttl=ttl, worker=worker, linger=lingers[0], settle=lingers[1])
+            else ThreadWriter(run, ttl=ttl, worker=worker, linger=lingers[0], settle=lingers[1])
         )
 
     def _key_freed(self, pool: str) -> threading.Condition:
