@@ -492,7 +492,7 @@ def costs(ctx: Ctx, servers: Servers) -> list[Phase]:
     group = _group(ctx, env, "together", lambda g: g.up(execution=1, concurrency=2))
     try:
         time.sleep(11)  # let the start's counters flush (an idle backend holds them up to 10 s)
-        idle_seconds = 10.0 if ctx.cfg.quick else 30.0
+        idle_seconds = 3.0 if ctx.cfg.quick else 30.0
         before = read_counters(servers, name, rclient)
         with PeakSampler(servers, name, poll.info.backend_pid) as peak:
             time.sleep(idle_seconds)

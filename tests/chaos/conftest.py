@@ -36,6 +36,7 @@ from harvest.procs import ROOT, ProcessGroup
 from harvest.settings import Settings
 from tests.chaos import jobs as chaos_jobs
 from tests.chaos.report import LATEST, Report, Row
+from tests.helpers import statuses
 from tests.processes.api_server import ApiServer, Call
 
 T = TypeVar("T")
@@ -454,11 +455,7 @@ class World:
             return conn.execute(text(query), params).scalar()
 
     def statuses(self, ids: list[int]) -> dict[str, int]:
-        rows = self.sql(
-            "SELECT status, count(*) FROM harvest_jobs_all WHERE id = ANY(:ids) GROUP BY status",
-            ids=ids,
-        )
-        return {r[0]: int(r[1]) for r in rows}
+        return statuses(self.engine, ids)
 
     def wait_done(self, ids: list[int], timeout: float, status: str = "succeeded") -> None:
         def done() -> bool:
