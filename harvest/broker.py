@@ -30,6 +30,26 @@ EXECUTE_TASK = "harvest.execute"
 REDIS_SCHEMES = ("redis://", "rediss://", "redis+socket://")  # kombu's; the last is a socket
 
 
+ACK_CONNECTIONS_SPARE = 10  # kombu's default pool: the consumer's, publishes, the pidbox
+
+
+def sized_for_pool(
+    options: dict[str, Any], broker_url: str, pool: str, concurrency: int
+) -> dict[str, Any]:
+    """The broker's transport options for a worker of ``pool`` at ``concurrency``. kombu's
+    Redis transport opens at most ``max_connections`` (10) connections a channel and raises,
+    rather than waits, when all are in use; a task acks its message from the thread or greenlet
+    that ran it, so under ``-P threads`` or ``-P gevent`` as many acks as the concurrency can be
+    on their way at once. At ``-P gevent -c 100`` 60 of 300 acks failed ("Couldn't ack ...
+    MaxConnectionsError", celery/celery#1350): each message stayed unacked, its prefetch slot
+    taken, until the visibility timeout. Other pools ack from one thread, and other brokers'
+    transports have no such pool: unchanged."""
+    if pool not in ("threads", "gevent") or not broker_url.startswith(REDIS_SCHEMES):
+        return options
+    wanted = concurrency + ACK_CONNECTIONS_SPARE
+    return {**options, "max_connections": max(int(options.get("max_connections", 10)), wanted)}
+
+
 def celery_config(settings: Settings) -> dict[str, Any]:
     """Celery settings harvest relies on (see the README's "Guarantees")."""
     transport_options: dict[str, Any] = {"visibility_timeout": settings.visibility_timeout}

@@ -8,7 +8,11 @@ refused alone, never the group. A row waits at most its kind's linger after it a
 the statement of its kind in flight is done, whichever is later: each kind has at most one
 statement in flight (group commit), so the busier the process, the larger each statement, and no
 write waits on a timer while the database is idle. A statement that fails for a row's data is
-split so that only that row fails (:class:`Writing`).
+split so that only that row fails (:class:`Writing`). A statement never carries two rows of one
+job: a job can come twice (a message delivered again, or the old message of a job that was
+rescued and dispatched anew), and Postgres updates a row once for a statement however many of its
+rows match it, so both would read as written. The later row waits for the next statement, where
+it meets the row as the first one left it, as if each had been written alone.
 
 Nothing here does I/O or knows what a future is made of: a shell keeps the time, waits, runs the
 statements a :class:`Writing` names and completes the futures it is given (asyncio's or
@@ -45,9 +49,10 @@ class Kind:
         self,
         build: Callable[[Sequence[Any]], sql.Query[Any]],
         pick: Callable[[Any, Any], Any],
+        job: Callable[[Any], int],
         linger: float,
     ) -> None:
-        self.build, self.pick, self.linger = build, pick, linger
+        self.build, self.pick, self.job, self.linger = build, pick, job, linger
         self.waiting: list[Row] = []
         self.due = 0.0  # when what waits must go (the earliest of its rows' lingers)
         self.busy = False  # a statement of this kind is in flight
@@ -65,10 +70,21 @@ class Kind:
 
     def take(self, now: float) -> list[Row] | None:
         """The next statement's rows, the kind now busy with them (None: it is busy already,
-        or nothing waits). What is left of a full statement goes next, without a linger."""
+        or nothing waits): at most :data:`MAX_ROWS`, one a job, in the order they came. What is
+        left goes next, without a linger."""
         if self.busy or not self.waiting:
             return None
-        batch, self.waiting = self.waiting[:MAX_ROWS], self.waiting[MAX_ROWS:]
+        batch: list[Row] = []
+        left: list[Row] = []
+        jobs: set[int] = set()
+        for row in self.waiting:
+            job = self.job(row[0])
+            if job in jobs or len(batch) >= MAX_ROWS:
+                left.append(row)
+            else:
+                jobs.add(job)
+                batch.append(row)
+        self.waiting = left
         self.due = now
         self.busy = True
         return batch
@@ -82,16 +98,26 @@ def kinds(*, ttl: float, worker: str, linger: float, settle: float) -> dict[str,
         "hold": Kind(
             lambda pairs: sql.hold(pairs, ttl=ttl),
             lambda found, pair: found.get(pair[0]),
+            _pair_job,
             linger,
         ),
         "start": Kind(
             lambda pairs: sql.start(pairs, ttl=ttl, worker=worker),
             lambda found, pair: found.get(pair[0]),
+            _pair_job,
             linger,
         ),
-        "finish": Kind(sql.finish, lambda found, row: row.job_id in found, settle),
-        "defer": Kind(sql.defer, lambda found, row: row.job_id in found, settle),
+        "finish": Kind(sql.finish, lambda found, row: row.job_id in found, _row_job, settle),
+        "defer": Kind(sql.defer, lambda found, row: row.job_id in found, _row_job, settle),
     }
+
+
+def _pair_job(pair: sql.Pair) -> int:
+    return pair[0]
+
+
+def _row_job(row: sql.Finish | sql.Defer) -> int:
+    return row.job_id
 
 
 def finish_linger(linger: float, settle: float, ran: float) -> float:

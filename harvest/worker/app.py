@@ -19,7 +19,7 @@ from celery.signals import (
 )
 from celery.worker.consumer.consumer import INVALID_TASK_ERROR, UNKNOWN_TASK_ERROR
 
-from harvest.broker import celery_config
+from harvest.broker import celery_config, sized_for_pool
 from harvest.redact import redact_text
 from harvest.worker import checks, runtime
 from harvest.worker.events import FollowTaskEvents
@@ -106,9 +106,15 @@ def _worker_init(sender: Any = None, **_: Any) -> None:
     if pool == "eventlet":
         refuse("harvest does not run on -P eventlet: use -P gevent or -P threads for sync jobs")
     queues = sorted(getattr(sender.app.amqp.queues, "consume_from", None) or {}) if sender else []
+    concurrency = int(getattr(sender, "concurrency", 1) or 1)
+    if sender is not None:  # before the consumer connects
+        conf = sender.app.conf
+        options = dict(conf.broker_transport_options or {})
+        url = str(conf.broker_url or "")
+        conf.broker_transport_options = sized_for_pool(options, url, pool, concurrency)
     runtime.configure(
         pool,
-        int(getattr(sender, "concurrency", 1) or 1),
+        concurrency,
         queues,
         hostname=str(getattr(sender, "hostname", "") or ""),
         celery=getattr(sender, "app", None),

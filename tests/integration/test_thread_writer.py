@@ -93,6 +93,27 @@ def test_a_row_whose_lease_was_taken_is_refused_alone(clean_db: Engine, migrated
     }
 
 
+def test_a_job_delivered_twice_at_once_is_started_once(
+    clean_db: Engine, migrated: Settings
+) -> None:
+    """Four deliveries of one job start in the same linger: twice the message a rescue made
+    stale (its old token), twice the current one (a redelivery). One starts it, with the
+    current token. (Seen on -P gevent: both copies shared a statement, Postgres updated the row
+    once for the two, both read as started, and the job ran twice.)"""
+    ((job, token),) = dispatched(clean_db, 1)
+    stale = (job, uuid.uuid4())
+    deliveries = [stale, (job, token), stale, (job, token)]
+    with _pool(migrated) as pool:
+        writer = _writer(pool, linger=0.05)  # long enough that all four would share a statement
+        started = _at_once(4, lambda i: writer.start(deliveries[i]))
+    assert [i for i, s in enumerate(started) if s is not None] in ([1], [3])
+    with clean_db.connect() as conn:
+        attempts = conn.execute(
+            text("SELECT attempts FROM harvest_jobs WHERE id = :id"), {"id": job}
+        )
+        assert attempts.scalar_one() == 1
+
+
 def test_a_row_that_breaks_the_statement_fails_alone(clean_db: Engine, migrated: Settings) -> None:
     jobs = dispatched(clean_db, 8)
     with _pool(migrated) as pool:

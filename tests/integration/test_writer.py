@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from typing import Any
 
 from psycopg_pool import AsyncConnectionPool
@@ -137,3 +138,24 @@ def test_a_grouped_finish_rolled_back_to_break_a_deadlock_is_tried_again(
         ).scalars()
         assert set(statuses) == {"succeeded"}
     assert any("DeadlockDetected" in r.getMessage() for r in caplog.records)
+
+
+def test_a_job_delivered_twice_at_once_is_held_and_started_once(
+    clean_db: Engine, migrated: Settings
+) -> None:
+    """The message a rescue made stale (its old token) and the job's new one, then a second
+    copy of the new one, come to the loop together: each kind's rows of one job go in separate
+    statements, so only the current token holds it and only one delivery starts it."""
+    ((job, token),) = dispatched(clean_db, 1)
+    stale = (job, uuid.uuid4())
+
+    async def body(writer: Writer) -> tuple[list[bool], list[bool]]:
+        held = await asyncio.gather(writer.hold(stale), writer.hold((job, token)))
+        started = await asyncio.gather(
+            writer.start(stale), writer.start((job, token)), writer.start((job, token))
+        )
+        return [h is not None for h in held], [s is not None for s in started]
+
+    held, started = asyncio.run(_with_writer(migrated, 0.02, body))
+    assert held == [False, True]
+    assert started == [False, True, False]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from harvest.broker import celery_config
+from harvest.broker import celery_config, sized_for_pool
 from harvest.settings import Settings
 
 
@@ -123,3 +123,15 @@ def test_celerys_warning_about_cancelling_on_connection_loss_is_not_repeated() -
 
     assert "In Celery 5.1 we introduced" in stderr("")
     assert stderr("import harvest.worker.consumer as c; c.quiet_cancel_warning()") == ""
+
+
+def test_a_threads_or_gevent_worker_gets_a_redis_connection_for_each_ack_at_once() -> None:
+    redis_url, amqp_url = "redis://127.0.0.1:6379/3", "amqp://guest:guest@127.0.0.1:5672//"
+    options = celery_config(Settings(broker_url=redis_url))["broker_transport_options"]
+    assert sized_for_pool(options, redis_url, "gevent", 100)["max_connections"] == 110
+    assert sized_for_pool(options, redis_url, "threads", 64)["max_connections"] == 74
+    assert sized_for_pool({"max_connections": 500}, redis_url, "threads", 64) == {
+        "max_connections": 500  # a user's larger figure stands
+    }
+    assert sized_for_pool(options, redis_url, "prefork", 100) == options
+    assert sized_for_pool({}, amqp_url, "gevent", 100) == {}
