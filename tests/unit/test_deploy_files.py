@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import yaml
+
+from harvest.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -72,3 +75,25 @@ def test_metrics_listen_on_loopback_only() -> None:
     procfile = (ROOT / "Procfile").read_text()
     line = next(x for x in procfile.splitlines() if x.startswith("metrics:"))
     assert "harvest metrics --host 127.0.0.1" in line
+
+
+def _seconds(duration: str) -> float:
+    """A compose duration such as ``45s``, ``1m30s`` or ``2m``, in seconds."""
+    units = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def test_docker_waits_for_the_execution_workers_warm_shutdown() -> None:
+    """`docker compose stop` gives a container ``stop_grace_period`` (10 s unless set) between
+    its SIGTERM and its SIGKILL: the execution workers' must cover the async jobs' grace
+    (``HARVEST_SHUTDOWN_GRACE``, default or as the file sets it) and the hand-back after it."""
+    compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
+    execution = compose["services"]["execution"]
+    grace = float(
+        (execution.get("environment") or {}).get(
+            "HARVEST_SHUTDOWN_GRACE", Settings.model_fields["shutdown_grace"].default
+        )
+    )
+    assert _seconds(execution.get("stop_grace_period", "10s")) >= grace + 10
