@@ -115,7 +115,9 @@ class HarvestGoodput:
     @property
     def job(self) -> str:
         if self.case is not None and self.case.tpm is not None:
-            return jobs_goodput.CALL_TOKENS if self.mode == "async" else jobs_goodput.CALL_SYNC
+            return (
+                jobs_goodput.CALL_TOKENS if self.mode == "async" else jobs_goodput.CALL_TOKENS_SYNC
+            )
         return jobs_goodput.CALL if self.mode == "async" else jobs_goodput.CALL_SYNC
 
     def start(self, ctx: Ctx, case: Case, service: LoopbackHandle) -> None:
