@@ -352,18 +352,19 @@ _FINISH_THEN_START = f"""
 
 
 def finish_then_start(
-    row: Finish, job: Pair, *, ttl: float, worker: str | None
+    rows: Sequence[Finish], jobs: Sequence[Pair], *, ttl: float, worker: str | None
 ) -> Query[tuple[set[int], dict[int, StartResult]]]:
-    """One job of a message ending and the next one starting, in one statement: one round trip
+    """Jobs of a message ending and the next ones starting, in one statement: one round trip
     and one commit where :func:`finish` then :func:`start` take two (the blocking shell runs a
-    message's jobs one after another). Each half is fenced exactly as alone; the result is
-    both of theirs. ``job`` must be another job than ``row``'s."""
-    ended, begun = finish([row]), start([job], ttl=ttl, worker=worker)
+    message's jobs one after another: :mod:`harvest.execution.run_ahead`). Each half is fenced
+    exactly as alone; the result is both of theirs. No job may be in both halves, nor twice in
+    one."""
+    ended, begun = finish(rows), start(jobs, ttl=ttl, worker=worker)
     params = {**ended.params, **{f"next_{k}": v for k, v in begun.params.items()}}
 
-    def parse(rows: list[Any]) -> tuple[set[int], dict[int, StartResult]]:
-        ids = rows[0].ids if rows else None
-        return {int(i) for i in ids or ()}, _started([r for r in rows if r.id is not None])
+    def parse(found: list[Any]) -> tuple[set[int], dict[int, StartResult]]:
+        ids = found[0].ids if found else None
+        return {int(i) for i in ids or ()}, _started([r for r in found if r.id is not None])
 
     return Query(_FINISH_THEN_START, params, parse)
 

@@ -17,7 +17,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
@@ -31,6 +30,7 @@ from harvest.execution import core, handoff, limits, patience, sql, tracking
 from harvest.execution import effects as fx
 from harvest.execution.heartbeat import HeartbeatThread
 from harvest.execution.observe import Received, notify
+from harvest.execution.run_ahead import Message, Paused, RunTimes, caught
 from harvest.execution.thread_writer import ThreadWriter, Writes
 from harvest.execution.tracking import Tracked
 from harvest.gate import Gate
@@ -46,72 +46,6 @@ T = TypeVar("T")
 GRACE = 5.0  # seconds past a blocking job's time limit before this process counts as wedged
 
 
-# What the next job may do ahead, while the job before it ends: no waiting, no write to
-# Postgres (its rate permit and key lease: the key of the job before is already released).
-AHEAD = (fx.Clock, fx.RatePermit, fx.LeaseKey, fx.LoadPool)
-
-
-@dataclass(slots=True)
-class Paused:
-    """An attempt driven up to an effect not yet performed, or to its end."""
-
-    effect: fx.Effect | None = None
-    done: bool = False
-    returned: Any = None
-
-
-class Abandoned(Exception):
-    """Thrown into an attempt begun ahead whose turn never came."""
-
-
-class Ahead:
-    """The next job of a message, begun while the job before it ends.
-
-    A message's jobs run one after another, so the end of one (its fenced Finish) and the start
-    of the next (its fenced Start) would be two statements back to back: two round trips and
-    two commits per job, the most of this process's and Postgres's time per no-op job. When
-    the job before yields its Finish, the next attempt is driven through what it may do ahead
-    (:data:`AHEAD`); if it then asks for its Start, both go in one statement. The decisions
-    stay the core's: the next attempt itself says what it does first."""
-
-    def __init__(self, gen: Generator[fx.Effect, Any, Any]) -> None:
-        self.gen = gen
-        self.release: fx.ReleaseKey | None = None  # the job before's key, given back with
-        # this one's lease (one round trip), or alone before that job's Finish
-        self.begun = False
-        self.at = Paused()
-        self.result: tuple[Any, BaseException | None] | None = None  # of ``at.effect``, if done
-        self.raised: BaseException | None = None
-
-    def begin(self, shell: SyncShell) -> None:
-        """Drive the next attempt up to its first effect that may not go ahead; what it raised
-        is raised in its own turn."""
-        self.begun = True
-        value: Any = None
-        error: BaseException | None = None
-        try:
-            while True:
-                self.at = shell.advance(self.gen, value, error, stop=self._stops)
-                lease = self.at.effect
-                if not (isinstance(lease, fx.LeaseKey) and self.release is not None):
-                    return
-                done, self.release = self.release, None
-                value, error = caught(shell.release_then_lease, done, lease)
-        except Exception as exc:
-            self.raised = exc
-
-    def _stops(self, e: fx.Effect) -> bool:
-        return not isinstance(e, AHEAD) or (isinstance(e, fx.LeaseKey) and self.release is not None)
-
-
-def caught(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
-    """``fn(*args)`` as (value, None), or (None, what it raised): for throwing into an attempt."""
-    try:
-        return fn(*args), None
-    except BaseException as exc:
-        return None, exc
-
-
 class SyncShell:
     """``lingers`` (the write linger and the settle linger, in seconds) gathers the holds,
     starts, finishes and deferrals of the jobs this process's threads run into one statement of
@@ -124,6 +58,9 @@ class SyncShell:
         self.app = app
         self.plan = plan
         self.gate = Gate(app)
+        settings = app.settings
+        self.lingers = (settings.write_linger_ms / 1000, settings.settle_linger_ms / 1000)
+        self.run_times = RunTimes()  # of this process's handlers, by job name (run_ahead)
         # No cap of its own: a job borrows a key's client only while it holds a lease on the
         # key, so the key's declared concurrency bounds the clients out (a cap below it, the
         # old 4, held a thread pool to 4 calls a key whatever the key allowed).
@@ -161,49 +98,29 @@ class SyncShell:
         return held
 
     def run_held(self, jobs: Sequence[tuple[sql.Pair, sql.Held]]) -> Counter[str]:
-        """Run held jobs one after another in this thread (they were sized to fit). Where a
-        job's end and the next job's start meet, they go in one statement (see :class:`Ahead`),
-        unless this process groups its threads' writes (``lingers``)."""
+        """Run held jobs one after another in this thread (they were sized to fit). Where jobs'
+        ends and starts meet, they share statements (:class:`~run_ahead.Message`), unless this
+        process groups its threads' writes (``lingers``)."""
         tracked = [self.track(pair, h) for pair, h in jobs]
-        counts: Counter[str] = Counter()
+        specs = [self.app.jobs.get(h.name) for _, h in jobs]
         attempts = [
-            core.attempt(
-                one,
-                self.app.jobs.get(h.name),
-                self.plan,
-                deferred_for=h.deferred_for,
-                payload=h.payload,
-            )
-            for one, (_, h) in zip(tracked, jobs, strict=True)
+            core.attempt(one, spec, self.plan, deferred_for=h.deferred_for, payload=h.payload)
+            for one, spec, (_, h) in zip(tracked, specs, jobs, strict=True)
         ]
-        ahead: Ahead | None = None
         try:
-            for i, gen in enumerate(attempts):
-                begun = ahead if ahead is not None and ahead.begun else None
-                last = i + 1 == len(attempts) or self.writer.grouped
-                ahead = None if last else Ahead(attempts[i + 1])
-                counts.update(self.drive(gen, begun, ahead))
+            if self.writer.grouped:
+                counts: Counter[str] = Counter()
+                for gen in attempts:
+                    counts.update(self.drive(gen))
+                return counts
+            message = Message(self, attempts, specs)
+            try:
+                return message.run()
+            finally:
+                message.close()
         finally:
-            if ahead is not None and ahead.begun:  # left early: its turn will not come
-                self.abandon(ahead)
             for one in tracked:
                 self.heartbeat.untrack(one)
-        return counts
-
-    def abandon(self, ahead: Ahead) -> None:
-        """A next attempt begun ahead whose turn never came (the job before it raised out of
-        the message): :class:`Abandoned` is thrown into it, so it gives back what it took (its
-        key lease). Its job stays held, or running if its Start was written, until its lease
-        expires and rescue takes it back, as when a worker dies. (The key the job before kept
-        for it was already given back, when that job's driver ended.)"""
-        if ahead.raised is not None or ahead.at.done:
-            return
-        try:
-            self.advance(ahead.gen, None, Abandoned("the message ended before its turn"))
-        except Abandoned:
-            pass
-        except Exception as exc:
-            log.warning("a job begun ahead was not wound down (%s)", type(exc).__name__)
 
     def track(self, pair: sql.Pair, held: sql.Held) -> Tracked:
         tracked = Tracked.of(pair, held)
@@ -213,41 +130,9 @@ class SyncShell:
 
     # --- the driver -----------------------------------------------------------------------
 
-    def drive(
-        self,
-        gen: Generator[fx.Effect, Any, T],
-        begun: Ahead | None = None,
-        ahead: Ahead | None = None,
-    ) -> T:
-        """Run ``gen`` to its end, performing each effect it yields. ``begun``: ``gen`` was
-        already begun as the lookahead of the job before it; ``ahead``: the job after it."""
-        value: Any = None
-        error: BaseException | None = None
-        if begun is not None:
-            if begun.raised is not None:
-                raise begun.raised
-            if begun.at.done:
-                return begun.at.returned  # type: ignore[no-any-return]
-            value, error = begun.result or caught(self.perform, begun.at.effect)
-        if ahead is None:
-            return self.advance(gen, value, error).returned  # type: ignore[no-any-return]
-
-        def stops(e: fx.Effect) -> bool:  # its Finish; its key's release, kept for the next
-            return isinstance(e, fx.Finish) or (isinstance(e, fx.ReleaseKey) and not ahead.begun)
-
-        try:
-            while True:
-                at = self.advance(gen, value, error, stop=stops)
-                if at.done:
-                    return at.returned  # type: ignore[no-any-return]
-                if isinstance(at.effect, fx.ReleaseKey):
-                    self.release_pending(ahead)  # (a job holds one key: none, in fact)
-                    ahead.release, value, error = at.effect, None, None
-                else:
-                    assert isinstance(at.effect, fx.Finish)
-                    value, error = caught(self.finish_then_start, at.effect, ahead)
-        finally:
-            self.release_pending(ahead)
+    def drive(self, gen: Generator[fx.Effect, Any, T]) -> T:
+        """Run ``gen`` to its end, performing each effect it yields."""
+        return self.advance(gen).returned  # type: ignore[no-any-return]
 
     def advance(
         self,
@@ -267,23 +152,6 @@ class SyncShell:
                 return Paused(effect)
             value, error = caught(self.perform, effect)
 
-    def finish_then_start(self, e: fx.Finish, ahead: Ahead) -> bool:
-        """Perform ``e``; where the next job, driven ahead, asks for its Start, in one
-        statement with it (its result kept for its turn). Asking for anything else (a wait, a
-        deferral), the next job's effect is left for its own turn."""
-        if ahead.begun:
-            return self.perform(e)  # type: ignore[no-any-return]
-        ahead.begin(self)
-        self.release_pending(ahead)  # the next job took no key: the key is free before the write
-        nxt = ahead.at.effect
-        if not isinstance(nxt, fx.Start) or nxt.job_id == e.row.job_id:
-            return self.perform(e)  # type: ignore[no-any-return]
-        pair = (nxt.job_id, nxt.token)
-        query = sql.finish_then_start(e.row, pair, ttl=self.plan.lease_ttl, worker=self.plan.worker)
-        finished, started = self.db(query)  # failed: neither happened; the Start runs alone
-        ahead.result = (started.get(nxt.job_id), None)
-        return e.row.job_id in finished
-
     def release_then_lease(self, done: fx.ReleaseKey, e: fx.LeaseKey) -> Any:
         """The job before's key given back and the next job's lease, in one round trip; or,
         where the key's limits allow, no round trip at all: the lease passes to the next job
@@ -299,12 +167,6 @@ class SyncShell:
         if not isinstance(result, Lease):
             self._wake_one(done.lease.pool)  # the freed key is not this job's: a waiter's
         return result
-
-    def release_pending(self, ahead: Ahead) -> None:
-        """Give back the key the job before kept for the next job's lease, if it still has it."""
-        if ahead.release is not None:
-            done, ahead.release = ahead.release, None
-            self.perform(done)
 
     def _wake_one(self, pool: str) -> None:
         freed = self._key_freed(pool)
@@ -426,6 +288,7 @@ class SyncShell:
             )
         finally:
             e.tracked.deadline = float("inf")
+            self.run_times.saw(e.spec.name, took())
         return fx.HandlerResult(
             value=value, seconds=took(), cancelled=ctx.cancelled, ended_elsewhere=e.tracked.ended
         )

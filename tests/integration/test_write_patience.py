@@ -120,7 +120,7 @@ def test_a_write_rolled_back_to_break_a_deadlock_is_tried_again(
 
         def write() -> None:
             query = sql.finish_then_start(
-                sql.Finish(*ending, JobStatus.SUCCEEDED, "1"), nxt, ttl=60.0, worker="test:1"
+                [sql.Finish(*ending, JobStatus.SUCCEEDED, "1")], [nxt], ttl=60.0, worker="test:1"
             )
             try:
                 result.append(shell.db(query))

@@ -1,0 +1,126 @@
+"""A prefork process's message of short sync jobs: their starts and their ends share statements
+(harvest.execution.run_ahead), each write still fenced alone, and a message that ends early
+leaves nothing to rescue that it could have written or handed back."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from sqlalchemy import Engine, text
+
+from harvest.app import Harvest
+from harvest.context import JobContext
+from harvest.models import JobStatus
+from harvest.runner import Runner
+from tests.helpers import body, claim_all, statement_kinds
+
+
+@pytest.fixture
+def app(jobs_app: Callable[..., Harvest]) -> Harvest:
+    return jobs_app()
+
+
+def rows(engine: Engine, ids: list[int]) -> list[Any]:
+    with engine.connect() as conn:
+        found = conn.execute(
+            text(
+                "SELECT id, status, attempts, started_at, finished_at FROM harvest_jobs_all "
+                "WHERE id = ANY(:ids)"
+            ),
+            {"ids": ids},
+        ).all()
+    by_id = {r.id: r for r in found}
+    return [by_id[i] for i in ids]
+
+
+def enqueue_in_order(app: Harvest, name: str, n: int) -> list[int]:
+    """``n`` jobs of ``name`` that a claim takes in the order they were made."""
+    return [app.enqueue(name, {"n": i}, priority=1000 - i).id for i in range(n)]
+
+
+def run_message(app: Harvest, runner: Runner, engine: Engine) -> dict[str, int]:
+    return runner.execute(body(claim_all(engine)))
+
+
+def test_a_message_of_short_jobs_starts_them_together_and_ends_them_together(
+    app: Harvest, runner: Runner, effects: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once this process has seen the job's handler run in well under the write linger, a
+    message of six: one hold, the first job's start, its end with the five others' starts,
+    their five ends. Four statements where eleven were; each job ran once and succeeded."""
+    ran: list[int] = []
+
+    @app.job("quick")
+    def quick(ctx: JobContext, n: int) -> int:
+        ran.append(n)
+        return n
+
+    enqueue_in_order(app, "quick", 2)
+    assert run_message(app, runner, effects)["started"] == 2  # its run time is known now
+    ran.clear()
+    ids = enqueue_in_order(app, "quick", 6)
+    sent = statement_kinds(runner, monkeypatch)
+    assert run_message(app, runner, effects)["started"] == 6
+    assert sent == ["hold", "start", "finish+start", "finish"]
+    assert ran == list(range(6))
+    ended = rows(effects, ids)
+    assert {(r.status, r.attempts) for r in ended} == {("succeeded", 1)}
+    assert {r.started_at for r in ended[1:]} == {ended[0].finished_at}  # one statement
+    assert len({r.finished_at for r in ended[1:]}) == 1
+
+
+def test_jobs_slower_than_the_write_linger_are_started_one_at_a_time(
+    app: Harvest, runner: Runner, effects: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A handler of 30 ms (the write linger is 2 ms): no job is started before the one before
+    it ends, and no end waits for the next job: 'end one, start the next' a job."""
+    import time
+
+    @app.job("slowish")
+    def slowish(ctx: JobContext, n: int) -> int:
+        time.sleep(0.03)
+        return n
+
+    enqueue_in_order(app, "slowish", 1)
+    run_message(app, runner, effects)
+    ids = enqueue_in_order(app, "slowish", 4)
+    sent = statement_kinds(runner, monkeypatch)
+    assert run_message(app, runner, effects)["started"] == 4
+    assert sent == ["hold", "start", *["finish+start"] * 3, "finish"]
+    ended = rows(effects, ids)
+    for before, after in zip(ended, ended[1:], strict=False):
+        assert after.started_at == before.finished_at
+
+
+def test_a_message_that_ends_early_writes_its_ends_and_hands_back_what_it_started_ahead(
+    app: Harvest, runner: Runner, effects: Engine
+) -> None:
+    """The process is told to stop (SystemExit, as billiard raises on SIGTERM in a prefork
+    child) while the third of five short jobs runs: the second's end, waiting to share a
+    statement, is written; the fourth and fifth, started ahead and never run, are pending
+    again with no attempt counted; the third stays running for rescue, as a job cut by a
+    dying worker does."""
+    stop_at: list[int] = []
+
+    @app.job("stoppable")
+    def stoppable(ctx: JobContext, n: int) -> int:
+        if n in stop_at:
+            raise SystemExit(0)
+        return n
+
+    enqueue_in_order(app, "stoppable", 2)
+    run_message(app, runner, effects)
+    ids = enqueue_in_order(app, "stoppable", 5)
+    stop_at.append(2)
+    with pytest.raises(SystemExit):
+        run_message(app, runner, effects)
+    after = [(r.status, r.attempts) for r in rows(effects, ids)]
+    assert after == [
+        ("succeeded", 1),
+        ("succeeded", 1),
+        ("running", 1),
+        (JobStatus.PENDING.value, 0),
+        (JobStatus.PENDING.value, 0),
+    ]
