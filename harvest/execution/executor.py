@@ -136,10 +136,8 @@ class Executor:
         return counts
 
     def _run_rest(self, items: Sequence[Item], *, wait: bool) -> Counter[str]:
-        held = self.sync.hold([i.pair for i in items])
-        counts: Counter[str] = Counter(suppressed=len(items) - len(held))
-        jobs = [(i.pair, held[i.job_id]) for i in items if i.job_id in held]
-        late = [(pair, h) for pair, h in jobs if self._is_async(h.name)]
+        jobs, counts = self.sync.take(items)
+        late = [(pair, h) for pair, h in jobs if isinstance(h, sql.Held) and self._is_async(h.name)]
         if late:
             aio = self.aio()
             aio.admission.take(len(late), float("inf"))

@@ -14,15 +14,18 @@ the process's and Postgres's time per short job. Two ways to share them, both bo
   ``HARVEST_WRITE_LINGER_MS``) and need no key, they start in that same statement, and their
   finishes wait for one another, each at most as long as a finish waits for company elsewhere
   (:func:`~harvest.execution.grouping.finish_linger`), to go with the next window's starts. A
-  message of 16 no-op jobs takes three statements instead of seventeen. Jobs of unknown or
+  message of 16 no-op jobs takes two statements instead of seventeen. Jobs of unknown or
   longer run time are begun one ahead as above, and a job's finish never waits on a job whose
   run time is not known to fit.
+- **Held and started in one write** (:func:`at_hold`): a message's first job, when it needs
+  nothing of the gate, and the short ones after it as in a window: one row write each where a
+  hold then a start were two (as :mod:`~harvest.execution.delivery` does for async jobs).
 
 What a crash costs is bounded by the same linger: jobs started ahead and not yet run, and
 finishes not yet written, all within milliseconds of their handlers' expected run times. Both
 come back by rescue, as a single job's do. A message that ends early (a job raised out of it, or
-the process is stopping) writes the finishes it holds and hands the jobs started ahead back to
-pending with their attempt refunded (:meth:`Message.close`).
+the process is stopping) writes the finishes it holds and hands the jobs started ahead (in a
+window or with their hold) back to pending with their attempt refunded (:meth:`Message.close`).
 
 The decisions stay the core's (:mod:`harvest.execution.core`): each attempt says what it does
 first; this module only chooses which of their writes share a statement.
@@ -33,12 +36,13 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from harvest.execution import delivery, grouping, sql
 from harvest.execution import effects as fx
-from harvest.execution import grouping, sql
+from harvest.execution.messages import Item
 from harvest.jobs import Started
 
 if TYPE_CHECKING:
@@ -53,6 +57,7 @@ AHEAD = (fx.Clock, fx.RatePermit, fx.LeaseKey, fx.LoadPool)
 MAX_WINDOW = 64  # jobs started together at most
 ENDED_EARLY = "the message ended before its turn"
 Attempt = Generator[fx.Effect, Any, Any]
+Taken = tuple[sql.Pair, "sql.Held | Started"]  # a job of a message: held, or held and started
 
 
 @dataclass(slots=True)
@@ -96,6 +101,28 @@ class RunTimes:
 
     def of(self, name: str) -> float | None:
         return self._seconds.get(name)
+
+
+def at_hold(
+    items: Sequence[Item], jobs: Mapping[str, JobSpec], run_times: RunTimes, linger: float
+) -> int:
+    """How many of a message's first jobs are held and started in one write: the first, when
+    it needs nothing of the gate (:func:`~harvest.execution.delivery.starts_at_hold`: it
+    starts right after its hold anyway), and after it those that also need nothing of the
+    gate, of names whose run times in this process are known and add up, with the first's,
+    to at most ``linger`` (a window, as :class:`Message` begins one)."""
+    spent: float | None = 0.0
+    ids: set[int] = set()
+    for n, item in enumerate(items[:MAX_WINDOW]):
+        spec = jobs.get(item.name or "")
+        if spec is None or spec.is_async or not delivery.starts_at_hold(spec):
+            return n
+        ran = run_times.of(spec.name)
+        if item.job_id in ids or (n and (spent is None or ran is None or spent + ran > linger)):
+            return n
+        spent = None if spent is None or ran is None else spent + ran
+        ids.add(item.job_id)
+    return min(len(items), MAX_WINDOW)
 
 
 class Ahead:
@@ -160,10 +187,13 @@ class Message:
         shell: SyncShell,
         attempts: Sequence[Attempt],
         specs: Sequence[JobSpec | None],
+        jobs: Sequence[Taken],
     ) -> None:
         self.shell = shell
         self.attempts = attempts
         self.specs = specs
+        self.jobs = jobs
+        self.turn = 0  # the next job whose turn has not begun
         self.begun: dict[int, Ahead] = {}
         self.parked: list[Parked] = []
         self.counts: Counter[str] = Counter()
@@ -179,6 +209,7 @@ class Message:
 
     def _turn(self, i: int) -> None:
         gen, shell = self.attempts[i], self.shell
+        self.turn = i + 1
         begun = self.begun.pop(i, None)
         value: Any = None
         error: BaseException | None = None
@@ -228,8 +259,9 @@ class Message:
         until = time.monotonic() + grouping.finish_linger(self.linger, self.settle, e.ran)
         self.parked.append(Parked(gen, e, until))
         nxt = self.begun.get(i + 1)
-        if nxt is not None:  # within a window: the next job started with this one
-            if not (nxt.start is not None and nxt.result is not None and self._may_wait(i + 1)):
+        if nxt is not None or self._at_hold(i + 1):  # within a window: the next job started
+            started = nxt is None or (nxt.start is not None and nxt.result is not None)
+            if not (started and self._may_wait(i + 1)):
                 self._write([], [])
             return release
         window: list[Ahead] = []
@@ -238,6 +270,10 @@ class Message:
             release = None
         self._write(window, [a.start for a in window if a.start is not None])
         return release
+
+    def _at_hold(self, j: int) -> bool:
+        """Whether job ``j`` was held and started in one write (:func:`at_hold`)."""
+        return j < len(self.jobs) and isinstance(self.jobs[j][1], Started)
 
     def _may_wait(self, j: int) -> bool:
         """Whether the finishes parked may wait for job ``j`` to run: its run time is known and
@@ -340,19 +376,16 @@ class Message:
             log.warning("finishes of a message's jobs not written (%s)", type(exc).__name__)
         back = []
         for ahead in self.begun.values():
-            start = ahead.start
-            if (
-                start is not None
-                and ahead.result is not None
-                and isinstance(ahead.result[0], Started)
-            ):
-                back.append(
-                    sql.Defer(
-                        start.job_id, start.token, 0.0, "the message ended before its turn", True
-                    )
-                )
+            start, result = ahead.start, ahead.result
+            if start is not None and result is not None and isinstance(result[0], Started):
+                back.append(sql.Defer(start.job_id, start.token, 0.0, ENDED_EARLY, started=True))
             self._abandon(ahead)
         self.begun.clear()
+        for j in range(self.turn, len(self.jobs)):
+            if self._at_hold(j):  # started with its hold; its turn never began
+                (job_id, token), _ = self.jobs[j]
+                back.append(sql.Defer(job_id, token, 0.0, ENDED_EARLY, started=True))
+                self.attempts[j].close()
         if back:
             try:
                 self.shell.writer.write("defer", back)

@@ -29,11 +29,13 @@ from harvest.errors import JobTimeout
 from harvest.execution import core, handoff, limits, patience, sql, tracking
 from harvest.execution import effects as fx
 from harvest.execution.heartbeat import HeartbeatThread
+from harvest.execution.messages import Item
 from harvest.execution.observe import Received, notify
-from harvest.execution.run_ahead import Message, Paused, RunTimes, caught
+from harvest.execution.run_ahead import Message, Paused, RunTimes, Taken, at_hold, caught
 from harvest.execution.thread_writer import ThreadWriter, Writes
 from harvest.execution.tracking import Tracked
 from harvest.gate import Gate
+from harvest.jobs import Started
 from harvest.outage import POSTGRES, service_of
 from harvest.usage import Tally
 
@@ -97,14 +99,43 @@ class SyncShell:
             log.info("suppressed %d duplicate or stale deliveries", len(pairs) - len(held))
         return held
 
-    def run_held(self, jobs: Sequence[tuple[sql.Pair, sql.Held]]) -> Counter[str]:
-        """Run held jobs one after another in this thread (they were sized to fit). Where jobs'
+    def take(self, items: Sequence[Item]) -> tuple[list[Taken], Counter[str]]:
+        """A message's jobs taken, in its order, and the counts of those not taken (duplicate
+        or stale deliveries; jobs cancelled meanwhile). Its first jobs that need nothing of the
+        gate are held and started in one write (:func:`run_ahead.at_hold`: the first job, and
+        after it the short ones of a window); the others are held."""
+        n = at_hold(items, self.app.jobs, self.run_times, self.lingers[0])
+        if self.writer.grouped:
+            n = min(n, 1)  # the first runs at once; its thread's next jobs start in their turn
+        counts: Counter[str] = Counter()
+        started: dict[int, Started] = {}
+        if n:
+            answers = self.writer.write("start", [item.pair for item in items[:n]])
+            for item, answer in zip(items[:n], answers, strict=True):
+                if isinstance(answer, Started):
+                    started[item.job_id] = answer
+                else:  # a duplicate or stale delivery, or a job cancelled before it started
+                    counts.update(self.drive(core.not_started(answer)))
+        rest = [item.pair for item in items[n:]]
+        held = self.hold(rest) if rest else {}
+        counts["suppressed"] += len(rest) - len(held)
+        taken: list[Taken] = []
+        for item in items:
+            job = started.get(item.job_id) or held.get(item.job_id)
+            if job is not None:
+                taken.append((item.pair, job))
+        return taken, counts
+
+    def run_held(self, jobs: Sequence[Taken]) -> Counter[str]:
+        """Run taken jobs one after another in this thread (they were sized to fit). Where jobs'
         ends and starts meet, they share statements (:class:`~run_ahead.Message`), unless this
         process groups its threads' writes (``lingers``)."""
         tracked = [self.track(pair, h) for pair, h in jobs]
         specs = [self.app.jobs.get(h.name) for _, h in jobs]
         attempts = [
-            core.attempt(one, spec, self.plan, deferred_for=h.deferred_for, payload=h.payload)
+            core.attempt(one, spec, self.plan)
+            if isinstance(h, Started)
+            else core.attempt(one, spec, self.plan, deferred_for=h.deferred_for, payload=h.payload)
             for one, spec, (_, h) in zip(tracked, specs, jobs, strict=True)
         ]
         try:
@@ -113,7 +144,7 @@ class SyncShell:
                 for gen in attempts:
                     counts.update(self.drive(gen))
                 return counts
-            message = Message(self, attempts, specs)
+            message = Message(self, attempts, specs, [(pair, h) for pair, h in jobs])
             try:
                 return message.run()
             finally:
@@ -122,8 +153,8 @@ class SyncShell:
             for one in tracked:
                 self.heartbeat.untrack(one)
 
-    def track(self, pair: sql.Pair, held: sql.Held) -> Tracked:
-        tracked = Tracked.of(pair, held)
+    def track(self, pair: sql.Pair, held: sql.Held | Started) -> Tracked:
+        tracked = Tracked.begun(pair, held) if isinstance(held, Started) else Tracked.of(pair, held)
         self.heartbeat.track(tracked)
         notify(self.app.observers, Received(pair[0], held.name, tracked.attempt, self.plan.worker))
         return tracked
