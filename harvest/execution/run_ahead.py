@@ -211,6 +211,8 @@ class Message:
         gen, shell = self.attempts[i], self.shell
         self.turn = i + 1
         begun = self.begun.pop(i, None)
+        if self.parked and not (self._started(i, begun) and self._may_wait(i)):
+            self._write([], [])  # it may run long: the ends waiting for it go now
         value: Any = None
         error: BaseException | None = None
         if begun is not None:
@@ -260,8 +262,7 @@ class Message:
         self.parked.append(Parked(gen, e, until))
         nxt = self.begun.get(i + 1)
         if nxt is not None or self._at_hold(i + 1):  # within a window: the next job started
-            started = nxt is None or (nxt.start is not None and nxt.result is not None)
-            if not (started and self._may_wait(i + 1)):
+            if not (self._started(i + 1, nxt) and self._may_wait(i + 1)):
                 self._write([], [])
             return release
         window: list[Ahead] = []
@@ -270,6 +271,13 @@ class Message:
             release = None
         self._write(window, [a.start for a in window if a.start is not None])
         return release
+
+    def _started(self, j: int, begun: Ahead | None) -> bool:
+        """Whether job ``j`` (``begun``: begun ahead as that) was started before its turn: with
+        its hold, or in the statement that ended the job before it."""
+        if self._at_hold(j):
+            return True
+        return begun is not None and begun.start is not None and begun.result is not None
 
     def _at_hold(self, j: int) -> bool:
         """Whether job ``j`` was held and started in one write (:func:`at_hold`)."""

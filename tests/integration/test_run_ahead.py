@@ -161,3 +161,41 @@ def test_a_message_that_ends_early_writes_its_ends_and_hands_back_what_it_starte
         (JobStatus.PENDING.value, 0),
         (JobStatus.PENDING.value, 0),
     ]
+
+
+def test_an_end_does_not_wait_for_a_job_that_was_not_started_with_it(
+    app: Harvest, runner: Runner, effects: Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A window of two short jobs, the second cancelled before the window starts: the first's
+    end, waiting for the second (which does not run), is written before the slow job after
+    them starts, not with that job's end 30 ms later."""
+    import time
+
+    @app.job("quick")
+    def quick(ctx: JobContext, n: int) -> int:
+        return n
+
+    @app.job("first_of_its_name")
+    def first_of_its_name(ctx: JobContext, n: int) -> int:
+        return n
+
+    @app.job("slowish")
+    def slowish(ctx: JobContext, n: int) -> int:
+        time.sleep(0.03)
+        return n
+
+    enqueue_in_order(app, "quick", 2)
+    enqueue_in_order(app, "slowish", 1)
+    run_message(app, runner, effects)  # both run times known now
+    first = app.enqueue("first_of_its_name", {"n": 0}, priority=1000).id
+    q1, q2 = (app.enqueue("quick", {"n": n}, priority=999 - n).id for n in (1, 2))
+    slow = app.enqueue("slowish", {"n": 3}, priority=990).id
+    claimed = claim_all(effects)
+    assert [c.id for c in claimed] == [first, q1, q2, slow]
+    app.cancel(q2)
+    sent = statement_kinds(runner, monkeypatch)
+    assert runner.execute(body(claimed))["started"] == 3
+    assert sent == ["start", "hold", "finish+start", "finish", "start", "finish"]
+    _, b, c, d = rows(effects, [first, q1, q2, slow])
+    assert (b.status, c.status, d.status) == ("succeeded", "cancelled", "succeeded")
+    assert b.finished_at < d.started_at
