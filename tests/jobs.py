@@ -58,6 +58,22 @@ def effect(ctx: JobContext, seconds: float = 0.0) -> None:
         )
 
 
+_kept: dict[int, Any] = {}
+
+
+@app.job("short_effect", max_attempts=5, retry=FAST_RETRY)
+def short_effect(ctx: JobContext) -> None:
+    """Counts its executions in Redis (``test:short_effects``, by job id) on a client this
+    process keeps: a fraction of a millisecond, short enough for a prefork process to start
+    and end such jobs together (``effect`` commits a row, a millisecond or more)."""
+    import redis
+
+    client = _kept.get(os.getpid())
+    if client is None:
+        client = _kept[os.getpid()] = redis.Redis.from_url(os.environ["HARVEST_REDIS_URL"])
+    client.hincrby("test:short_effects", str(ctx.job_id), 1)
+
+
 @app.job("timed_out", max_attempts=2, retry=FAST_RETRY, timeout=0.5)
 def timed_out(ctx: JobContext) -> None:
     time.sleep(10)

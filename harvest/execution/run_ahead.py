@@ -33,6 +33,7 @@ first; this module only chooses which of their writes share a statement.
 
 from __future__ import annotations
 
+import collections
 import logging
 import time
 from collections import Counter
@@ -82,25 +83,28 @@ def caught(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | Non
 
 
 class RunTimes:
-    """Each job name's recent handler run time in this process, seconds: up at once to a
-    slower run, down slowly (a name whose jobs turn slow stops sharing writes at its next
-    job; one fast job among slow ones does not make them look fast)."""
+    """Each job name's recent handler run time in this process, seconds: the third quartile of
+    its last :data:`KEPT` runs. A few slow runs among fast ones (the machine busy for a moment)
+    do not stop a name's jobs from sharing writes; a name whose jobs turn slow stops within a
+    quarter of that many runs (and a window's ends never wait past their linger for it:
+    :meth:`Message._may_wait` is asked again before each job's turn)."""
 
-    DECAY = 0.9
+    KEPT = 16
 
     def __init__(self) -> None:
-        self._seconds: dict[str, float] = {}
+        self._runs: dict[str, collections.deque[float]] = {}
+        self._of: dict[str, float] = {}
 
     def saw(self, name: str, seconds: float) -> None:
-        old = self._seconds.get(name)
-        self._seconds[name] = (
-            seconds
-            if old is None or seconds >= old
-            else old * self.DECAY + seconds * (1 - self.DECAY)
-        )
+        runs = self._runs.get(name)
+        if runs is None:
+            runs = self._runs[name] = collections.deque(maxlen=self.KEPT)
+        runs.append(seconds)
+        ordered = sorted(runs)
+        self._of[name] = ordered[(3 * len(ordered)) // 4]
 
     def of(self, name: str) -> float | None:
-        return self._seconds.get(name)
+        return self._of.get(name)
 
 
 def at_hold(
