@@ -309,10 +309,11 @@ class Message:
             done, first.release = first.release, None
             self.shell.perform(done)
         self.begun[j] = first
-        if first.start is None:
-            return []
+        ids = {p.finish.row.job_id for p in self.parked}
+        if first.start is None or first.start.job_id in ids:
+            return []  # (a job twice in a message: its start waits for its own turn)
         window = [first]
-        ids = {first.start.job_id} | {p.finish.row.job_id for p in self.parked}
+        ids.add(first.start.job_id)
         spent = self._run_time(j)
         k = j + 1
         while spent is not None and k < len(self.attempts) and len(window) < MAX_WINDOW:

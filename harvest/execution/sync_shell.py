@@ -121,8 +121,8 @@ class SyncShell:
         counts["suppressed"] += len(rest) - len(held)
         taken: list[Taken] = []
         for item in items:
-            job = started.get(item.job_id) or held.get(item.job_id)
-            if job is not None:
+            job = started.pop(item.job_id, None) or held.get(item.job_id)
+            if job is not None:  # (a job started with its hold is taken once, however listed)
                 taken.append((item.pair, job))
         return taken, counts
 

@@ -199,3 +199,27 @@ def test_an_end_does_not_wait_for_a_job_that_was_not_started_with_it(
     _, b, c, d = rows(effects, [first, q1, q2, slow])
     assert (b.status, c.status, d.status) == ("succeeded", "cancelled", "succeeded")
     assert b.finished_at < d.started_at
+
+
+def test_a_job_twice_in_one_message_runs_once(
+    app: Harvest, runner: Runner, effects: Engine
+) -> None:
+    """A message that lists a short job twice (a dispatcher never sends one, a hand-made or
+    replayed message may): the job runs once; the second listing is suppressed."""
+    ran: list[int] = []
+
+    @app.job("quick")
+    def quick(ctx: JobContext, n: int) -> int:
+        ran.append(n)
+        return n
+
+    enqueue_in_order(app, "quick", 2)
+    run_message(app, runner, effects)
+    ran.clear()
+    ids = enqueue_in_order(app, "quick", 3)
+    claimed = claim_all(effects)
+    message = body([claimed[0], claimed[1], claimed[1], claimed[2]])
+    counts = runner.execute(message)
+    assert (counts["started"], counts["suppressed"]) == (3, 1)
+    assert ran == [0, 1, 2]
+    assert {(r.status, r.attempts) for r in rows(effects, ids)} == {("succeeded", 1)}
