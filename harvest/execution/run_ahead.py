@@ -266,9 +266,11 @@ class Message:
         self.parked.append(Parked(gen, e, until))
         nxt = self.begun.get(i + 1)
         if nxt is not None or self._at_hold(i + 1):  # within a window: the next job started
+            if release is not None:  # it took no key (a window's jobs need none): free it now
+                self.shell.perform(release)
             if not (self._started(i + 1, nxt) and self._may_wait(i + 1)):
                 self._write([], [])
-            return release
+            return None
         window: list[Ahead] = []
         if i + 1 < len(self.attempts):
             window = self._begin(i + 1, release)
