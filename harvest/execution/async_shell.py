@@ -116,7 +116,7 @@ class AsyncShell:
 
     def track(self, pair: sql.Pair, held: sql.Held | Started) -> Tracked:
         """A job held here (or held and started in one write: a :class:`Started`)."""
-        tracked = Tracked.begun(pair, held) if isinstance(held, Started) else Tracked.of(pair, held)
+        tracked = Tracked.taken(pair, held)
         self.tracked[tracked.job_id] = tracked
         event = Received(pair[0], held.name, tracked.attempt, self.plan.worker)
         notify(self.app.observers, event)

@@ -107,6 +107,12 @@ class RunTimes:
         return self._of.get(name)
 
 
+def joins(spent: float | None, ran: float | None, linger: float) -> bool:
+    """Whether a job of run time ``ran`` joins a window whose jobs before it run ``spent``
+    seconds together: both known, and at most ``linger`` with it (None: not known)."""
+    return spent is not None and ran is not None and spent + ran <= linger
+
+
 def at_hold(
     items: Sequence[Item], jobs: Mapping[str, JobSpec], run_times: RunTimes, linger: float
 ) -> int:
@@ -122,7 +128,7 @@ def at_hold(
         if spec is None or spec.is_async or not delivery.starts_at_hold(spec):
             return n
         ran = run_times.of(spec.name)
-        if item.job_id in ids or (n and (spent is None or ran is None or spent + ran > linger)):
+        if item.job_id in ids or (n and not joins(spent, ran, linger)):
             return n
         spent = None if spent is None or ran is None else spent + ran
         ids.add(item.job_id)
@@ -140,7 +146,6 @@ class Ahead:
         self.strict = strict
         self.release: fx.ReleaseKey | None = None  # the job before's key, given back with
         # this one's lease (one round trip), or alone before that job's Finish
-        self.begun = False
         self.at = Paused()
         self.result: tuple[Any, BaseException | None] | None = None  # of ``at.effect``, if done
         self.raised: BaseException | None = None
@@ -148,7 +153,6 @@ class Ahead:
     def begin(self, shell: SyncShell) -> None:
         """Drive it up to its first effect that may not go ahead; what it raised is raised in
         its own turn."""
-        self.begun = True
         value: Any = None
         error: BaseException | None = None
         try:
@@ -320,7 +324,7 @@ class Message:
         k = j + 1
         while spent is not None and k < len(self.attempts) and len(window) < MAX_WINDOW:
             ran = self._run_time(k)
-            if ran is None or not self._keyless(k) or spent + ran > self.linger:
+            if ran is None or not (self._keyless(k) and joins(spent, ran, self.linger)):
                 break
             ahead = Ahead(self.attempts[k], strict=True)
             ahead.begin(self.shell)

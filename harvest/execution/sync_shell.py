@@ -144,7 +144,7 @@ class SyncShell:
                 for gen in attempts:
                     counts.update(self.drive(gen))
                 return counts
-            message = Message(self, attempts, specs, [(pair, h) for pair, h in jobs])
+            message = Message(self, attempts, specs, jobs)
             try:
                 return message.run()
             finally:
@@ -154,7 +154,7 @@ class SyncShell:
                 self.heartbeat.untrack(one)
 
     def track(self, pair: sql.Pair, held: sql.Held | Started) -> Tracked:
-        tracked = Tracked.begun(pair, held) if isinstance(held, Started) else Tracked.of(pair, held)
+        tracked = Tracked.taken(pair, held)
         self.heartbeat.track(tracked)
         notify(self.app.observers, Received(pair[0], held.name, tracked.attempt, self.plan.worker))
         return tracked

@@ -62,6 +62,12 @@ class Tracked:
         """A job this worker held and started in one write (:mod:`~harvest.execution.delivery`)."""
         return cls(pair[0], pair[1], job.name, job.attempt, job, job.max_attempts)
 
+    @classmethod
+    def taken(cls, pair: Pair, job: Held | Started) -> Tracked:
+        """A job of a message as this worker took it: held (:meth:`of`), or held and started in
+        one write (:meth:`begun`)."""
+        return cls.begun(pair, job) if isinstance(job, Started) else cls.of(pair, job)
+
     def used(self, tokens: int) -> None:
         """The handler reports tokens its calls used (added up over the attempt)."""
         self.tokens_used = (self.tokens_used or 0) + tokens

@@ -51,12 +51,11 @@ def run_message(app: Harvest, runner: Runner, engine: Engine) -> dict[str, int]:
     return runner.execute(body(claim_all(engine)))
 
 
-def test_a_message_of_short_jobs_starts_them_together_and_ends_them_together(
-    app: Harvest, runner: Runner, effects: Engine, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Once this process has seen the job's handler run in well under the write linger, a
-    message of six: all held and started in one write, all ended in one. Two statements
-    where eleven were; each job ran once and succeeded."""
+@pytest.fixture
+def quick(app: Harvest, runner: Runner, effects: Engine) -> list[int]:
+    """A job ``quick`` whose handler this process has seen run (in well under the write
+    linger), and one ``first_of_its_name`` it has not: what ``quick`` runs from now on, in
+    order."""
     ran: list[int] = []
 
     @app.job("quick")
@@ -64,14 +63,31 @@ def test_a_message_of_short_jobs_starts_them_together_and_ends_them_together(
         ran.append(n)
         return n
 
+    @app.job("first_of_its_name")
+    def first_of_its_name(ctx: JobContext, n: int) -> int:
+        return n
+
     enqueue_in_order(app, "quick", 2)
     assert run_message(app, runner, effects)["started"] == 2  # its run time is known now
     ran.clear()
+    return ran
+
+
+def test_a_message_of_short_jobs_starts_them_together_and_ends_them_together(
+    app: Harvest,
+    runner: Runner,
+    effects: Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    quick: list[int],
+) -> None:
+    """Once this process has seen the job's handler run in well under the write linger, a
+    message of six: all held and started in one write, all ended in one. Two statements
+    where eleven were; each job ran once and succeeded."""
     ids = enqueue_in_order(app, "quick", 6)
     sent = statement_kinds(runner, monkeypatch)
     assert run_message(app, runner, effects)["started"] == 6
     assert sent == ["start", "finish"]
-    assert ran == list(range(6))
+    assert quick == list(range(6))
     ended = rows(effects, ids)
     assert {(r.status, r.attempts) for r in ended} == {("succeeded", 1)}
     assert len({r.started_at for r in ended}) == 1  # one statement each
@@ -79,21 +95,14 @@ def test_a_message_of_short_jobs_starts_them_together_and_ends_them_together(
 
 
 def test_a_window_of_short_jobs_starts_with_the_end_of_the_job_before(
-    app: Harvest, runner: Runner, effects: Engine, monkeypatch: pytest.MonkeyPatch
+    app: Harvest,
+    runner: Runner,
+    effects: Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    quick: list[int],
 ) -> None:
     """A job of unknown run time first, then short ones: the first is held and started in one
     write, the others held; the first's end goes with the others' starts, their ends in one."""
-
-    @app.job("quick")
-    def quick(ctx: JobContext, n: int) -> int:
-        return n
-
-    @app.job("first_of_its_name")
-    def first_of_its_name(ctx: JobContext, n: int) -> int:
-        return n
-
-    enqueue_in_order(app, "quick", 2)
-    run_message(app, runner, effects)
     first = app.enqueue("first_of_its_name", {"n": 0}).id
     ids = enqueue_in_order(app, "quick", 5)
     claimed = claim_all(effects)
@@ -164,29 +173,24 @@ def test_a_message_that_ends_early_writes_its_ends_and_hands_back_what_it_starte
 
 
 def test_an_end_does_not_wait_for_a_job_that_was_not_started_with_it(
-    app: Harvest, runner: Runner, effects: Engine, monkeypatch: pytest.MonkeyPatch
+    app: Harvest,
+    runner: Runner,
+    effects: Engine,
+    monkeypatch: pytest.MonkeyPatch,
+    quick: list[int],
 ) -> None:
     """A window of two short jobs, the second cancelled before the window starts: the first's
     end, waiting for the second (which does not run), is written before the slow job after
     them starts, not with that job's end 30 ms later."""
     import time
 
-    @app.job("quick")
-    def quick(ctx: JobContext, n: int) -> int:
-        return n
-
-    @app.job("first_of_its_name")
-    def first_of_its_name(ctx: JobContext, n: int) -> int:
-        return n
-
     @app.job("slowish")
     def slowish(ctx: JobContext, n: int) -> int:
         time.sleep(0.03)
         return n
 
-    enqueue_in_order(app, "quick", 2)
     enqueue_in_order(app, "slowish", 1)
-    run_message(app, runner, effects)  # both run times known now
+    run_message(app, runner, effects)  # its run time known now too
     first = app.enqueue("first_of_its_name", {"n": 0}, priority=1000).id
     q1, q2 = (app.enqueue("quick", {"n": n}, priority=999 - n).id for n in (1, 2))
     slow = app.enqueue("slowish", {"n": 3}, priority=990).id
@@ -202,24 +206,14 @@ def test_an_end_does_not_wait_for_a_job_that_was_not_started_with_it(
 
 
 def test_a_job_twice_in_one_message_runs_once(
-    app: Harvest, runner: Runner, effects: Engine
+    app: Harvest, runner: Runner, effects: Engine, quick: list[int]
 ) -> None:
     """A message that lists a short job twice (a dispatcher never sends one, a hand-made or
     replayed message may): the job runs once; the second listing is suppressed."""
-    ran: list[int] = []
-
-    @app.job("quick")
-    def quick(ctx: JobContext, n: int) -> int:
-        ran.append(n)
-        return n
-
-    enqueue_in_order(app, "quick", 2)
-    run_message(app, runner, effects)
-    ran.clear()
     ids = enqueue_in_order(app, "quick", 3)
     claimed = claim_all(effects)
     message = body([claimed[0], claimed[1], claimed[1], claimed[2]])
     counts = runner.execute(message)
     assert (counts["started"], counts["suppressed"]) == (3, 1)
-    assert ran == [0, 1, 2]
+    assert quick == [0, 1, 2]
     assert {(r.status, r.attempts) for r in rows(effects, ids)} == {("succeeded", 1)}
