@@ -24,6 +24,11 @@ the channel raises a connection error, which kombu logs). That message cannot be
 more: the broker hands it out again after its visibility timeout, or lost it with a Redis that
 kept nothing, and the job's row in Postgres decides whether anything runs again (a finished
 job's redelivery is suppressed as a duplicate). So such a settlement is logged and dropped.
+
+A settlement on its way when the broker stops (its connection fails under the ack) is the same
+case seen earlier: kombu logs it as critical, with a traceback, and goes on. harvest logs it as
+one warning, as the rest of an outage it rides out (chaos F4 checks the log of a worker run as
+the README runs it for tracebacks).
 """
 
 from __future__ import annotations
@@ -85,25 +90,45 @@ def _lost(message: Any) -> bool:
     return transport is not None and getattr(transport, "client", True) is None
 
 
+def _unsettled(message: Any, reason: object) -> None:
+    log.warning(
+        "message %s could not be settled with the broker (%s); the broker hands it out again "
+        "after its visibility timeout (or lost it with a Redis that kept nothing), and its "
+        "job's row in Postgres decides whether anything runs again",
+        getattr(message, "delivery_tag", "?"),
+        reason,
+    )
+
+
+class _SettleLog:
+    """The logger handed to kombu's ``ack_log_error`` / ``reject_log_error``, whose only call is
+    ``critical(..., exc_info=True)`` when the broker's connection fails under the settlement (a
+    Redis stopped while a task's acknowledgement was on its way: chaos F4). That is an outage the
+    worker rides out, not a crash: one warning line, without kombu's traceback."""
+
+    def __init__(self, message: Any) -> None:
+        self.message = message
+
+    def critical(self, _msg: str, *args: Any, **_kwargs: Any) -> None:
+        exc = args[-1] if args else "?"
+        _unsettled(self.message, f"{type(exc).__name__}: {exc}")
+
+
 def settling_may_fail(settle: Callable[..., Any]) -> Callable[..., Any]:
-    """``message.ack_log_error`` (or ``reject_log_error``), where a message of a lost broker
-    connection is logged as unsettled instead of raising ``AttributeError``. One per
-    acknowledgement: a plain closure (no ``functools.wraps``)."""
+    """``message.ack_log_error`` (or ``reject_log_error``), called as Celery calls it
+    (``logger, connection_errors[, requeue]``), where a settlement the broker could not take is
+    one warning: the broker's connection failed under it (kombu would log it as critical, with a
+    traceback), or the message came on a connection that has since been lost (kombu would raise
+    ``AttributeError``). One per acknowledgement: a plain closure (no ``functools.wraps``)."""
     message = getattr(settle, "__self__", None)
 
-    def guarded(*args: Any, **kwargs: Any) -> Any:
+    def guarded(_logger: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return settle(*args, **kwargs)
+            return settle(_SettleLog(message), *args, **kwargs)
         except AttributeError as exc:
             if not _lost(message):
                 raise
-            log.warning(
-                "message %s came on a broker connection that has since been lost, so it "
-                "cannot be settled (%s); the broker hands it out again after its visibility "
-                "timeout, and its job's row in Postgres decides whether anything runs again",
-                getattr(message, "delivery_tag", "?"),
-                type(exc).__name__,
-            )
+            _unsettled(message, f"{type(exc).__name__}: it came on a connection since lost")
             return None
 
     return guarded
