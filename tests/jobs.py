@@ -74,6 +74,23 @@ def short_effect(ctx: JobContext) -> None:
     client.hincrby("test:short_effects", str(ctx.job_id), 1)
 
 
+@app.job("short_keyed_effect", pool="short-pool", max_attempts=5, retry=FAST_RETRY)
+def short_keyed_effect(ctx: JobContext) -> None:
+    """``short_effect`` with a key of ``short-pool``: also counts, in ``test:short_overlaps``,
+    the calls that found another call on their key (each key there allows one at once)."""
+    import redis
+
+    assert ctx.lease is not None
+    client = _kept.get(os.getpid())
+    if client is None:
+        client = _kept[os.getpid()] = redis.Redis.from_url(os.environ["HARVEST_REDIS_URL"])
+    on_key = f"test:short_on_key:{ctx.lease.key_id}"
+    if client.incr(on_key) > 1:
+        client.incr("test:short_overlaps")
+    client.hincrby("test:short_effects", str(ctx.job_id), 1)
+    client.decr(on_key)
+
+
 @app.job("timed_out", max_attempts=2, retry=FAST_RETRY, timeout=0.5)
 def timed_out(ctx: JobContext) -> None:
     time.sleep(10)

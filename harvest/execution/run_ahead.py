@@ -11,8 +11,11 @@ the process's and Postgres's time per short job. Two ways to share them, both bo
   for its Start, both go in one statement.
 - **A window of short jobs** (:class:`Message`): where the jobs after it are known to be short
   (their handlers' recent run times, :class:`RunTimes`, add up to at most the write linger,
-  ``HARVEST_WRITE_LINGER_MS``) and need no key, they start in that same statement, and their
-  finishes wait for one another, each at most as long as a finish waits for company elsewhere
+  ``HARVEST_WRITE_LINGER_MS``) and need no key, or a key of the pool whose key the window's
+  first job took, bound by its concurrency alone (that key is lent along the window: its jobs
+  run one after another, so it stays one call of this process; see :meth:`Message._begin`),
+  they start in that same statement, and their finishes wait for one another, each at most as
+  long as a finish waits for company elsewhere
   (:func:`~harvest.execution.grouping.finish_linger`), to go with the next window's starts. A
   message of 16 no-op jobs takes two statements instead of seventeen. Jobs of unknown or
   longer run time are begun one ahead as above, and a job's finish never waits on a job whose
@@ -41,7 +44,9 @@ from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from harvest.execution import delivery, grouping, sql
+from harvest.coordination import fallback
+from harvest.coordination.key_state import Lease
+from harvest.execution import delivery, grouping, handoff, sql
 from harvest.execution import effects as fx
 from harvest.execution.messages import Item
 from harvest.jobs import Started
@@ -57,8 +62,10 @@ log = logging.getLogger("harvest.runner")
 AHEAD = (fx.Clock, fx.RatePermit, fx.LeaseKey, fx.LoadPool)
 MAX_WINDOW = 64  # jobs started together at most
 ENDED_EARLY = "the message ended before its turn"
+KEY_GIVEN_BACK = "the key it was lent along its window went back to Redis before its turn"
 Attempt = Generator[fx.Effect, Any, Any]
-Taken = tuple[sql.Pair, "sql.Held | Started"]  # a job of a message: held, or held and started
+# a job of a message: held; held and started; or that with a key leased first (delivery.Keyed)
+Taken = tuple[sql.Pair, "sql.Held | Started | delivery.Keyed"]
 
 
 @dataclass(slots=True)
@@ -114,41 +121,65 @@ def joins(spent: float | None, ran: float | None, linger: float) -> bool:
 
 
 def at_hold(
-    items: Sequence[Item], jobs: Mapping[str, JobSpec], run_times: RunTimes, linger: float
+    items: Sequence[Item],
+    jobs: Mapping[str, JobSpec],
+    run_times: RunTimes,
+    linger: float,
+    key: Lease | None = None,
 ) -> int:
     """How many of a message's first jobs are held and started in one write: the first, when
     it needs nothing of the gate (:func:`~harvest.execution.delivery.starts_at_hold`: it
     starts right after its hold anyway), and after it those that also need nothing of the
     gate, of names whose run times in this process are known and add up, with the first's,
-    to at most ``linger`` (a window, as :class:`Message` begins one)."""
+    to at most ``linger`` (a window, as :class:`Message` begins one).
+
+    With ``key``, a lease taken for the first job before its hold
+    (:func:`~harvest.execution.delivery.leases_first`): the jobs that lease a key of its pool
+    and nothing else first, the first of them, and after it, where the key may pass from job to
+    job (``plain``), a window of them, lent the key one after another."""
     spent: float | None = 0.0
     ids: set[int] = set()
-    for n, item in enumerate(items[:MAX_WINDOW]):
+    for n, item in enumerate(items[: MAX_WINDOW if key is None or key.plain else 1]):
         spec = jobs.get(item.name or "")
-        if spec is None or spec.is_async or not delivery.starts_at_hold(spec):
+        if spec is None or spec.is_async or not _needs_only(spec, key):
             return n
         ran = run_times.of(spec.name)
         if item.job_id in ids or (n and not joins(spent, ran, linger)):
             return n
         spent = None if spent is None or ran is None else spent + ran
         ids.add(item.job_id)
-    return min(len(items), MAX_WINDOW)
+    return min(len(items), MAX_WINDOW if key is None or key.plain else 1)
+
+
+def _needs_only(spec: JobSpec, key: Lease | None) -> bool:
+    """Whether a job needs nothing of the gate (``key`` None) or only a key of ``key``'s pool."""
+    if key is None:
+        return delivery.starts_at_hold(spec)
+    return delivery.leases_first(spec) and fallback.pools(spec.pool)[0] == key.pool
 
 
 class Ahead:
     """A job of a message begun before its turn: driven up to its first effect that may not go
-    ahead (``strict``: its first effect other than the clock: no permit or key taken early).
-    Its turn goes on from there; ``result`` is that effect's, if it was performed with the
-    job before's write."""
+    ahead (``strict``: its first effect other than the clock: no permit or key taken early;
+    but for the key ``chain``, when it may take it over: see :class:`Message`). Its turn goes
+    on from there; ``result`` is that effect's, if it was performed with the job before's
+    write."""
 
-    def __init__(self, gen: Attempt, *, strict: bool = False) -> None:
+    def __init__(self, gen: Attempt, *, strict: bool = False, chain: Lease | None = None) -> None:
         self.gen = gen
         self.strict = strict
+        self.chain = chain  # the key of the job before it in its window, lent to it
         self.release: fx.ReleaseKey | None = None  # the job before's key, given back with
         # this one's lease (one round trip), or alone before that job's Finish
+        self.lease: Lease | None = None  # the key it took: leased, or ``chain`` borrowed
         self.at = Paused()
         self.result: tuple[Any, BaseException | None] | None = None  # of ``at.effect``, if done
         self.raised: BaseException | None = None
+
+    @property
+    def borrowed(self) -> Lease | None:
+        """The key it was lent and holds (the window's: given back by its last holder only)."""
+        return self.lease if self.chain is not None else None
 
     def begin(self, shell: SyncShell) -> None:
         """Drive it up to its first effect that may not go ahead; what it raised is raised in
@@ -158,18 +189,41 @@ class Ahead:
         try:
             while True:
                 self.at = shell.advance(self.gen, value, error, stop=self._stops)
-                lease = self.at.effect
-                if not (isinstance(lease, fx.LeaseKey) and self.release is not None):
+                e = self.at.effect
+                if self.at.done:
                     return
-                done, self.release = self.release, None
-                value, error = caught(shell.release_then_lease, done, lease)
+                if isinstance(e, fx.LeaseKey) and not self.strict:
+                    done, self.release = self.release, None
+                    if done is not None:
+                        value, error = caught(shell.release_then_lease, done, e)
+                    else:
+                        value, error = caught(shell.perform, e)
+                    if isinstance(value, Lease):
+                        self.lease = value
+                elif isinstance(e, fx.LeaseKey) and self._borrows(shell, e):
+                    self.lease = value = self.chain
+                    error = None
+                elif isinstance(e, fx.ReleaseKey) and self.borrowed is not None:
+                    self.lease = value = error = None  # lent: its last holder gives it back
+                else:
+                    return
         except Exception as exc:
             self.raised = exc
+
+    def _borrows(self, shell: SyncShell, e: fx.LeaseKey) -> bool:
+        chain = self.chain
+        return (
+            chain is not None
+            and self.lease is None
+            and handoff.takes_over(
+                chain, e.pool, e.cost, time.time(), shell.plan.lease_ttl, faults=shell.gate.faults
+            )
+        )
 
     def _stops(self, e: fx.Effect) -> bool:
         if self.strict:
             return not isinstance(e, fx.Clock)
-        return not isinstance(e, AHEAD) or (isinstance(e, fx.LeaseKey) and self.release is not None)
+        return not isinstance(e, AHEAD) or isinstance(e, fx.LeaseKey)
 
     @property
     def start(self) -> fx.Start | None:
@@ -203,9 +257,19 @@ class Message:
         self.jobs = jobs
         self.turn = 0  # the next job whose turn has not begun
         self.begun: dict[int, Ahead] = {}
+        self.lent: dict[int, Lease] = {}  # job -> the key of the job before it, lent to it
+        self.given_back: set[str] = set()  # tokens of lent keys that went back to Redis
         self.parked: list[Parked] = []
         self.counts: Counter[str] = Counter()
         self.linger, self.settle = shell.lingers
+        for j in range(1, len(jobs)):  # a key leased first, lent along the jobs started with it
+            now, before = jobs[j][1], jobs[j - 1][1]
+            if (
+                isinstance(now, delivery.Keyed)
+                and isinstance(before, delivery.Keyed)
+                and now.lease.token == before.lease.token
+            ):
+                self.lent[j] = now.lease
 
     def run(self) -> Counter[str]:
         for i in range(len(self.attempts)):
@@ -219,8 +283,17 @@ class Message:
         gen, shell = self.attempts[i], self.shell
         self.turn = i + 1
         begun = self.begun.pop(i, None)
+        lent = self.lent.pop(i, None)
         if self.parked and not (self._started(i, begun) and self._may_wait(i)):
             self._write([], [])  # it may run long: the ends waiting for it go now
+        if lent is not None and lent.token in self.given_back:
+            # the key it was lent went back to Redis (the job before failed, or was slow): it
+            # never runs on it, and goes back to pending as a job started ahead does
+            if begun is not None:
+                self.counts["deferred"] += self._hand_back([(i, begun)], KEY_GIVEN_BACK)
+            else:  # started with its hold
+                self.counts["deferred"] += self._hand_back([], KEY_GIVEN_BACK, also=[i])
+            return
         value: Any = None
         error: BaseException | None = None
         if begun is not None:
@@ -234,8 +307,10 @@ class Message:
         release: fx.ReleaseKey | None = None  # this job's key, kept for the next job's lease
 
         def stops(e: fx.Effect) -> bool:  # its Finish; its key's release, kept for the next
-            return isinstance(e, fx.Finish) or (
-                isinstance(e, fx.ReleaseKey) and not last and i + 1 not in self.begun
+            return isinstance(e, fx.Finish) or (  # or for the next, to whom it is lent
+                isinstance(e, fx.ReleaseKey)
+                and not last
+                and (i + 1 not in self.begun or i + 1 in self.lent)
             )
 
         try:
@@ -247,6 +322,10 @@ class Message:
                 if isinstance(at.effect, fx.ReleaseKey):
                     if release is not None:
                         shell.perform(release)  # (a job holds one key: none, in fact)
+                    if i + 1 in self.lent:
+                        self._pass_on(at.effect, self.lent[i + 1])
+                        value, error = None, None
+                        continue
                     release, value, error = at.effect, None, None
                     continue
                 assert isinstance(at.effect, fx.Finish)
@@ -282,6 +361,21 @@ class Message:
         self._write(window, [a.start for a in window if a.start is not None])
         return release
 
+    def _pass_on(self, done: fx.ReleaseKey, lent: Lease) -> None:
+        """A job gives back the key it lent to the next job of its window: it passes on as it
+        is (:func:`~harvest.execution.handoff.passable`: the call succeeded, the lease is young,
+        no fault of the key seen here), or it goes back to Redis, and the jobs it was lent to
+        go back to pending in their turns, unrun."""
+        shell = self.shell
+        now, ttl = time.time(), shell.plan.lease_ttl
+        if done.lease.token == lent.token and handoff.passable(
+            done, now, ttl, faults=shell.gate.faults
+        ):
+            shell.gate.reused(lent)
+            return
+        self.given_back.add(lent.token)
+        shell.perform(done)
+
     def _started(self, j: int, begun: Ahead | None) -> bool:
         """Whether job ``j`` (``begun``: begun ahead as that) was started before its turn: with
         its hold, or in the statement that ended the job before it."""
@@ -291,7 +385,7 @@ class Message:
 
     def _at_hold(self, j: int) -> bool:
         """Whether job ``j`` was held and started in one write (:func:`at_hold`)."""
-        return j < len(self.jobs) and isinstance(self.jobs[j][1], Started)
+        return j < len(self.jobs) and isinstance(self.jobs[j][1], Started | delivery.Keyed)
 
     def _may_wait(self, j: int) -> bool:
         """Whether the finishes parked may wait for job ``j`` to run: its run time is known and
@@ -306,8 +400,15 @@ class Message:
 
     def _begin(self, j: int, release: fx.ReleaseKey | None) -> list[Ahead]:
         """Begin job ``j`` ahead (given the key ``release`` of the job before, for its lease)
-        and, where job ``j`` asks for its Start, the short keyless jobs after it whose run times
-        fit in the write linger. Returns those of them that ask for their Start, in order."""
+        and, where job ``j`` asks for its Start, the short jobs after it whose run times fit in
+        the write linger: keyless ones, and those of job ``j``'s pool while its key may pass
+        from job to job (``plain``: bound by its concurrency alone), lent it. Returns those of
+        them that ask for their Start, in order.
+
+        A key lent along a window stays one call of this process at a time (its jobs run one
+        after another), so it is never over its concurrency; each job gives it to the next as
+        a passed lease would go (:meth:`_pass_on`), and where it may not (a 429, a fault, an
+        old lease) it goes back to Redis and the rest of the window is handed back unrun."""
         first = Ahead(self.attempts[j])
         first.release = release
         first.begin(self.shell)
@@ -321,14 +422,23 @@ class Message:
         window = [first]
         ids.add(first.start.job_id)
         spent = self._run_time(j)
+        key = first.lease if first.lease is not None and first.lease.plain else None
         k = j + 1
         while spent is not None and k < len(self.attempts) and len(window) < MAX_WINDOW:
             ran = self._run_time(k)
-            if ran is None or not (self._keyless(k) and joins(spent, ran, self.linger)):
+            if ran is None or not joins(spent, ran, self.linger):
                 break
-            ahead = Ahead(self.attempts[k], strict=True)
+            if self._keyless(k):
+                ahead = Ahead(self.attempts[k], strict=True)
+            elif key is not None and self._of_pool(k, key.pool):
+                ahead = Ahead(self.attempts[k], strict=True, chain=key)
+            else:
+                break
             ahead.begin(self.shell)
             self.begun[k] = ahead
+            if ahead.borrowed is not None:
+                self.lent[k] = ahead.borrowed
+            key = ahead.borrowed
             start = ahead.start
             if start is None or start.job_id in ids:
                 break
@@ -345,6 +455,16 @@ class Message:
     def _keyless(self, j: int) -> bool:
         spec = self.specs[j]
         return spec is not None and spec.pool is None
+
+    def _of_pool(self, j: int, pool: str) -> bool:
+        """Whether job ``j`` leases a key of ``pool`` and nothing else first (one pool, no rate
+        limit, no token cost: :func:`~harvest.execution.delivery.leases_first`)."""
+        spec = self.specs[j]
+        return (
+            delivery.leases_first(spec)
+            and spec is not None
+            and (fallback.pools(spec.pool)[0] == pool)
+        )
 
     # --- the shared statement -------------------------------------------------------------
 
@@ -393,32 +513,58 @@ class Message:
             self._write([], [])
         except Exception as exc:
             log.warning("finishes of a message's jobs not written (%s)", type(exc).__name__)
-        back = []
-        for ahead in self.begun.values():
+        begun = list(self.begun.items())
+        self.begun.clear()
+        at_hold = [j for j in range(self.turn, len(self.jobs)) if self._at_hold(j)]
+        self._hand_back(begun, ENDED_EARLY, also=at_hold)  # started with their hold: not run
+
+    def _hand_back(
+        self, begun: Sequence[tuple[int, Ahead]], reason: str, also: Sequence[int] = ()
+    ) -> int:
+        """Jobs begun ahead whose turn will not come (or must not run), and jobs ``also``
+        started with their hold: each gives back what it took (:meth:`_abandon`), and those
+        started go back to pending in one write, their attempt refunded (they never ran).
+        Returns how many were started (and are handed back). A key leased first for jobs
+        ``also`` (:func:`at_hold`) goes back to Redis, once, unless it went back already."""
+        back = [sql.Defer(*self.jobs[j][0], 0.0, reason, started=True) for j in also]
+        for j in also:
+            self.attempts[j].close()  # never begun: nothing to wind down
+            job = self.jobs[j][1]
+            if isinstance(job, delivery.Keyed) and job.lease.token not in self.given_back:
+                self.given_back.add(job.lease.token)
+                caught(self.shell.perform, fx.ReleaseKey(job.lease, used=0))
+        for j, ahead in begun:
             start, result = ahead.start, ahead.result
             if start is not None and result is not None and isinstance(result[0], Started):
-                back.append(sql.Defer(start.job_id, start.token, 0.0, ENDED_EARLY, started=True))
+                back.append(sql.Defer(*self.jobs[j][0], 0.0, reason, started=True))
             self._abandon(ahead)
-        self.begun.clear()
-        for j in range(self.turn, len(self.jobs)):
-            if self._at_hold(j):  # started with its hold; its turn never began
-                (job_id, token), _ = self.jobs[j]
-                back.append(sql.Defer(job_id, token, 0.0, ENDED_EARLY, started=True))
-                self.attempts[j].close()
         if back:
             try:
                 self.shell.writer.write("defer", back)
             except Exception as exc:
                 log.warning("jobs started ahead not handed back (%s): rescue takes them back "
                             "when their leases expire", type(exc).__name__)  # fmt: skip
+        return len(back)
 
     def _abandon(self, ahead: Ahead) -> None:
-        """:class:`Abandoned` is thrown into a job begun ahead, so it gives back what it took
-        (its key lease)."""
+        """:class:`Abandoned` is thrown into a job begun ahead, so it gives back what it took:
+        its key lease; a key lent along its window goes back to Redis once, by the first of
+        them (the one that held it when the message ended), unless it went back already."""
         if ahead.raised is not None or ahead.at.done:
             return
+        lent = ahead.borrowed
+        if lent is not None and lent.token not in self.given_back:
+            self.given_back.add(lent.token)
+            lent = None  # it holds the key now: it gives it back
+
+        def swallowed(e: fx.Effect) -> bool:
+            return lent is not None and isinstance(e, fx.ReleaseKey)
+
+        value: Any = None
+        error: BaseException | None = Abandoned(ENDED_EARLY)
         try:
-            self.shell.advance(ahead.gen, None, Abandoned(ENDED_EARLY))
+            while not self.shell.advance(ahead.gen, value, error, stop=swallowed).done:
+                value, error = None, None  # a lent key: its holder gives it back
         except Abandoned:
             pass
         except Exception as exc:

@@ -24,10 +24,12 @@ import psycopg
 
 from harvest.clients import ClientPool, http_client
 from harvest.context import JobContext
+from harvest.coordination import fallback
 from harvest.coordination.key_pool import Lease
 from harvest.errors import JobTimeout
-from harvest.execution import core, handoff, limits, patience, sql, tracking
+from harvest.execution import away, core, delivery, handoff, limits, patience, sql, tracking
 from harvest.execution import effects as fx
+from harvest.execution.delivery import Keyed
 from harvest.execution.heartbeat import HeartbeatThread
 from harvest.execution.messages import Item
 from harvest.execution.observe import Received, notify
@@ -103,19 +105,31 @@ class SyncShell:
         """A message's jobs taken, in its order, and the counts of those not taken (duplicate
         or stale deliveries; jobs cancelled meanwhile). Its first jobs that need nothing of the
         gate are held and started in one write (:func:`run_ahead.at_hold`: the first job, and
-        after it the short ones of a window); the others are held."""
+        after it the short ones of a window); so are those that need only a key of one pool,
+        when the first of them finds one at once (:meth:`_key_first`; the key is then lent
+        along them, :class:`~run_ahead.Message`); the others are held."""
         n = at_hold(items, self.app.jobs, self.run_times, self.lingers[0])
+        key = None if n or self.writer.grouped else self._key_first(items)
+        if key is not None:
+            n = at_hold(items, self.app.jobs, self.run_times, self.lingers[0], key[0])
         if self.writer.grouped:
             n = min(n, 1)  # the first runs at once; its thread's next jobs start in their turn
         counts: Counter[str] = Counter()
-        started: dict[int, Started] = {}
+        started: dict[int, Started | delivery.Keyed] = {}
         if n:
-            answers = self.writer.write("start", [item.pair for item in items[:n]])
+            try:
+                answers = self.writer.write("start", [item.pair for item in items[:n]])
+            except BaseException:
+                if key is not None:  # the key goes back now, not when its lease expires
+                    caught(self.perform, fx.ReleaseKey(key[0], used=0))
+                raise
             for item, answer in zip(items[:n], answers, strict=True):
                 if isinstance(answer, Started):
-                    started[item.job_id] = answer
+                    started[item.job_id] = answer if key is None else delivery.Keyed(answer, *key)
                 else:  # a duplicate or stale delivery, or a job cancelled before it started
                     counts.update(self.drive(core.not_started(answer)))
+            if key is not None and not started:
+                self.perform(fx.ReleaseKey(key[0], used=0))
         rest = [item.pair for item in items[n:]]
         held = self.hold(rest) if rest else {}
         counts["suppressed"] += len(rest) - len(held)
@@ -126,18 +140,46 @@ class SyncShell:
                 taken.append((item.pair, job))
         return taken, counts
 
+    def _key_first(self, items: Sequence[Item]) -> tuple[Lease, float] | None:
+        """A key for a message's first job, when it needs only a key of one pool
+        (:func:`~harvest.execution.delivery.leases_first`) and one is free now: one lease try,
+        before its hold (which is then its start, one write). None: it is held and goes through
+        the gate in its turn, as any job (no key free, no such pool in Redis, Redis away).
+        The lease, and when it was asked for (monotonic)."""
+        first = items[0]
+        spec = self.app.jobs.get(first.name or "")
+        if spec is None or spec.is_async or not delivery.leases_first(spec):
+            return None
+        asked_at = time.monotonic()
+        holder = f"{self.plan.worker}:{first.job_id}"
+        try:
+            lease = self.gate.try_lease(fallback.pools(spec.pool)[0], holder, 0)
+        except away.REDIS_AWAY:
+            return None  # the gate meets it again in its turn and steps the job back
+        if not isinstance(lease, Lease):
+            return None
+        away.answered()
+        return lease, asked_at
+
     def run_held(self, jobs: Sequence[Taken]) -> Counter[str]:
         """Run taken jobs one after another in this thread (they were sized to fit). Where jobs'
         ends and starts meet, they share statements (:class:`~run_ahead.Message`), unless this
         process groups its threads' writes (``lingers``)."""
-        tracked = [self.track(pair, h) for pair, h in jobs]
-        specs = [self.app.jobs.get(h.name) for _, h in jobs]
-        attempts = [
-            core.attempt(one, spec, self.plan)
-            if isinstance(h, Started)
-            else core.attempt(one, spec, self.plan, deferred_for=h.deferred_for, payload=h.payload)
-            for one, spec, (_, h) in zip(tracked, specs, jobs, strict=True)
-        ]
+        tracked = [self.track(pair, h.job if isinstance(h, Keyed) else h) for pair, h in jobs]
+        specs = [self.app.jobs.get(h.job.name if isinstance(h, Keyed) else h.name) for _, h in jobs]
+        attempts = []
+        for one, spec, (_, h) in zip(tracked, specs, jobs, strict=True):
+            if isinstance(h, Keyed):  # its key leased first (lent it, after the first)
+                one.key_renewed(h.asked_at, self.plan.lease_ttl)
+                attempts.append(core.attempt(one, spec, self.plan, leased=h.lease))
+            elif isinstance(h, Started):
+                attempts.append(core.attempt(one, spec, self.plan))
+            else:
+                attempts.append(
+                    core.attempt(
+                        one, spec, self.plan, deferred_for=h.deferred_for, payload=h.payload
+                    )
+                )
         try:
             if self.writer.grouped:
                 counts: Counter[str] = Counter()
