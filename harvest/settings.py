@@ -210,7 +210,8 @@ class Settings(BaseSettings):
         description="How long an execution process gathers the holds and starts of its async "
         "jobs (and of its sync jobs on -P threads or -P gevent) before writing each kind as one "
         "statement (one commit). A job that holds its key writes its start before its call: "
-        "this is time a key may wait.",
+        "this is time a key may wait. On prefork (and -P solo), also the most run time a window "
+        "of a message's short sync jobs may add up to for them to start in one statement.",
     )
     settle_linger_ms: float = Field(
         default=20.0,

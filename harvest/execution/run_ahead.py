@@ -9,20 +9,20 @@ the process's and Postgres's time per short job. Two ways to share them, both bo
   driven through what it may do ahead (:data:`AHEAD`: its rate permit and key lease; the key of
   the job before is given back in the same round trip, or passes to it), and if it then asks
   for its Start, both go in one statement.
-- **A window of short jobs** (:class:`Message`): where the jobs after it are known to be short
-  (their handlers' recent run times, :class:`RunTimes`, add up to at most the write linger,
-  ``HARVEST_WRITE_LINGER_MS``) and need no key, or a key of the pool whose key the window's
-  first job took, bound by its concurrency alone (that key is lent along the window: its jobs
-  run one after another, so it stays one call of this process; see :meth:`Message._begin`),
+- **A window of short jobs** (:class:`Message`; the rule: :mod:`~harvest.execution.windows`):
+  where the jobs after it are known to be short (their handlers' recent run times add up to at
+  most the write linger, ``HARVEST_WRITE_LINGER_MS``) and need no key, or a key of the pool of
+  the key the window's first job took, bound by its concurrency alone (lent along the window:
+  its jobs run one after another, so it stays one call of this process; :meth:`Message._begin`),
   they start in that same statement, and their finishes wait for one another, each at most as
-  long as a finish waits for company elsewhere
-  (:func:`~harvest.execution.grouping.finish_linger`), to go with the next window's starts. A
-  message of 16 no-op jobs takes two statements instead of seventeen. Jobs of unknown or
-  longer run time are begun one ahead as above, and a job's finish never waits on a job whose
-  run time is not known to fit.
-- **Held and started in one write** (:func:`at_hold`): a message's first job, when it needs
-  nothing of the gate, and the short ones after it as in a window: one row write each where a
-  hold then a start were two (as :mod:`~harvest.execution.delivery` does for async jobs).
+  long as a finish waits for company elsewhere (:func:`~.grouping.finish_linger`), to go with
+  the next window's starts. A message of 16 no-op jobs takes two statements instead of
+  seventeen. Jobs of unknown or longer run time are begun one ahead as above, and a job's
+  finish never waits on a job whose run time is not known to fit.
+- **Held and started in one write** (:func:`~harvest.execution.windows.at_hold`): a message's
+  first job, when it needs nothing of the gate (or only a key, found at once), and the short
+  ones after it as in a window: one row write each where a hold then a start were two (as
+  :mod:`~harvest.execution.delivery` does for async jobs).
 
 What a crash costs is bounded by the same linger: jobs started ahead and not yet run, and
 finishes not yet written, all within milliseconds of their handlers' expected run times. Both
@@ -36,11 +36,10 @@ first; this module only chooses which of their writes share a statement.
 
 from __future__ import annotations
 
-import collections
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,7 +47,7 @@ from harvest.coordination import fallback
 from harvest.coordination.key_state import Lease
 from harvest.execution import delivery, grouping, handoff, sql
 from harvest.execution import effects as fx
-from harvest.execution.messages import Item
+from harvest.execution.windows import MAX_WINDOW, joins
 from harvest.jobs import Started
 
 if TYPE_CHECKING:
@@ -60,7 +59,6 @@ log = logging.getLogger("harvest.runner")
 # What the next job may do ahead, while the job before it ends: no waiting, no write to
 # Postgres (its rate permit and key lease: the key of the job before is already released).
 AHEAD = (fx.Clock, fx.RatePermit, fx.LeaseKey, fx.LoadPool)
-MAX_WINDOW = 64  # jobs started together at most
 ENDED_EARLY = "the message ended before its turn"
 KEY_GIVEN_BACK = "the key it was lent along its window went back to Redis before its turn"
 Attempt = Generator[fx.Effect, Any, Any]
@@ -87,75 +85,6 @@ def caught(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | Non
         return fn(*args), None
     except BaseException as exc:
         return None, exc
-
-
-class RunTimes:
-    """Each job name's recent handler run time in this process, seconds: the third quartile of
-    its last :data:`KEPT` runs. A few slow runs among fast ones (the machine busy for a moment)
-    do not stop a name's jobs from sharing writes; a name whose jobs turn slow stops within a
-    quarter of that many runs (and a window's ends never wait past their linger for it:
-    :meth:`Message._may_wait` is asked again before each job's turn)."""
-
-    KEPT = 16
-
-    def __init__(self) -> None:
-        self._runs: dict[str, collections.deque[float]] = {}
-        self._of: dict[str, float] = {}
-
-    def saw(self, name: str, seconds: float) -> None:
-        runs = self._runs.get(name)
-        if runs is None:
-            runs = self._runs[name] = collections.deque(maxlen=self.KEPT)
-        runs.append(seconds)
-        ordered = sorted(runs)
-        self._of[name] = ordered[(3 * len(ordered)) // 4]
-
-    def of(self, name: str) -> float | None:
-        return self._of.get(name)
-
-
-def joins(spent: float | None, ran: float | None, linger: float) -> bool:
-    """Whether a job of run time ``ran`` joins a window whose jobs before it run ``spent``
-    seconds together: both known, and at most ``linger`` with it (None: not known)."""
-    return spent is not None and ran is not None and spent + ran <= linger
-
-
-def at_hold(
-    items: Sequence[Item],
-    jobs: Mapping[str, JobSpec],
-    run_times: RunTimes,
-    linger: float,
-    key: Lease | None = None,
-) -> int:
-    """How many of a message's first jobs are held and started in one write: the first, when
-    it needs nothing of the gate (:func:`~harvest.execution.delivery.starts_at_hold`: it
-    starts right after its hold anyway), and after it those that also need nothing of the
-    gate, of names whose run times in this process are known and add up, with the first's,
-    to at most ``linger`` (a window, as :class:`Message` begins one).
-
-    With ``key``, a lease taken for the first job before its hold
-    (:func:`~harvest.execution.delivery.leases_first`): the jobs that lease a key of its pool
-    and nothing else first, the first of them, and after it, where the key may pass from job to
-    job (``plain``), a window of them, lent the key one after another."""
-    spent: float | None = 0.0
-    ids: set[int] = set()
-    for n, item in enumerate(items[: MAX_WINDOW if key is None or key.plain else 1]):
-        spec = jobs.get(item.name or "")
-        if spec is None or spec.is_async or not _needs_only(spec, key):
-            return n
-        ran = run_times.of(spec.name)
-        if item.job_id in ids or (n and not joins(spent, ran, linger)):
-            return n
-        spent = None if spent is None or ran is None else spent + ran
-        ids.add(item.job_id)
-    return min(len(items), MAX_WINDOW if key is None or key.plain else 1)
-
-
-def _needs_only(spec: JobSpec, key: Lease | None) -> bool:
-    """Whether a job needs nothing of the gate (``key`` None) or only a key of ``key``'s pool."""
-    if key is None:
-        return delivery.starts_at_hold(spec)
-    return delivery.leases_first(spec) and fallback.pools(spec.pool)[0] == key.pool
 
 
 class Ahead:
@@ -384,7 +313,7 @@ class Message:
         return begun is not None and begun.start is not None and begun.result is not None
 
     def _at_hold(self, j: int) -> bool:
-        """Whether job ``j`` was held and started in one write (:func:`at_hold`)."""
+        """Whether job ``j`` was held and started in one write (:func:`~.windows.at_hold`)."""
         return j < len(self.jobs) and isinstance(self.jobs[j][1], Started | delivery.Keyed)
 
     def _may_wait(self, j: int) -> bool:
@@ -525,7 +454,7 @@ class Message:
         started with their hold: each gives back what it took (:meth:`_abandon`), and those
         started go back to pending in one write, their attempt refunded (they never ran).
         Returns how many were started (and are handed back). A key leased first for jobs
-        ``also`` (:func:`at_hold`) goes back to Redis, once, unless it went back already."""
+        ``also`` goes back to Redis, once, unless it went back already."""
         back = [sql.Defer(*self.jobs[j][0], 0.0, reason, started=True) for j in also]
         for j in also:
             self.attempts[j].close()  # never begun: nothing to wind down

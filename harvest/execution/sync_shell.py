@@ -33,9 +33,10 @@ from harvest.execution.delivery import Keyed
 from harvest.execution.heartbeat import HeartbeatThread
 from harvest.execution.messages import Item
 from harvest.execution.observe import Received, notify
-from harvest.execution.run_ahead import Message, Paused, RunTimes, Taken, at_hold, caught
+from harvest.execution.run_ahead import Message, Paused, Taken, caught
 from harvest.execution.thread_writer import ThreadWriter, Writes
 from harvest.execution.tracking import Tracked
+from harvest.execution.windows import RunTimes, at_hold
 from harvest.gate import Gate
 from harvest.jobs import Started
 from harvest.outage import POSTGRES, service_of
@@ -104,7 +105,7 @@ class SyncShell:
     def take(self, items: Sequence[Item]) -> tuple[list[Taken], Counter[str]]:
         """A message's jobs taken, in its order, and the counts of those not taken (duplicate
         or stale deliveries; jobs cancelled meanwhile). Its first jobs that need nothing of the
-        gate are held and started in one write (:func:`run_ahead.at_hold`: the first job, and
+        gate are held and started in one write (:func:`windows.at_hold`: the first job, and
         after it the short ones of a window); so are those that need only a key of one pool,
         when the first of them finds one at once (:meth:`_key_first`; the key is then lent
         along them, :class:`~run_ahead.Message`); the others are held."""
