@@ -243,7 +243,10 @@ def test_redis_stopped_under_the_key_pool_fails_no_job_and_raises_nothing(
     schedule = cluster.worker_logs("schedule")
     assert calls == n  # each job's call made once: none ran again after its outcome was lost
     assert attempts <= 2, attempts  # a step back for Redis uses no attempt
-    assert "Redis does not answer" in execution and "Redis answers again" in execution
+    assert "Redis does not answer" in execution  # (once a process: "answers again" comes
+    # at that process's next lease, and prefork may give the process no more jobs: seen in CI,
+    # 2026-12-05, async_call_api; the schedule worker reads every round, and logs both)
+    assert "Redis answers again" in schedule
     # the dispatcher reads the pools' capacity every round: one line when Redis goes, not one
     # per round and pool
     assert schedule.count("Redis does not answer") == 1, schedule[-4000:]
