@@ -53,22 +53,39 @@ class Keyed:
     asked_at: float  # monotonic: when the lease was asked for
 
 
-def key_first(
-    pair: sql.Pair, spec: JobSpec, plan: Plan
-) -> Generator[fx.Effect, Any, Keyed | tuple[str, ...] | None]:
-    """A job that :func:`leases_first`: one lease try, then, with a key, its hold is its start
-    (one fenced write, as for a job that needs no key). A duplicate or cancelled delivery
-    gives the key back and ends here (its counts). No key now (or no such pool in Redis, or
-    Redis does not answer): None, and it is held and goes through the gate as any job
-    (:func:`attempt`)."""
+def leases_from(spec: JobSpec | None, pool: str) -> bool:
+    """Whether a job :func:`leases_first`, from ``pool``."""
+    return spec is not None and leases_first(spec) and fallback.pools(spec.pool)[0] == pool
+
+
+def lease_first(
+    job_id: int, spec: JobSpec, plan: Plan
+) -> Generator[fx.Effect, Any, tuple[Lease, float] | None]:
+    """One lease try for a job that :func:`leases_first`, before its hold: the lease and when it
+    was asked for (monotonic), or None (no key now, no such pool in Redis, Redis does not
+    answer: the job is held and goes through the gate as any job, :func:`attempt`)."""
     asked_at = yield fx.Clock()
     try:
-        lease = yield fx.LeaseKey(fallback.pools(spec.pool)[0], f"{plan.worker}:{pair[0]}", 0)
+        lease = yield fx.LeaseKey(fallback.pools(spec.pool)[0], f"{plan.worker}:{job_id}", 0)
     except away.REDIS_AWAY:
         return None  # the gate meets it again and steps the job back (``core.attempt``)
     if not isinstance(lease, Lease):
         return None
     away.answered()  # Redis answers (again): an outage's end is logged
+    return lease, asked_at
+
+
+def key_first(
+    pair: sql.Pair, spec: JobSpec, plan: Plan
+) -> Generator[fx.Effect, Any, Keyed | tuple[str, ...] | None]:
+    """A job that :func:`leases_first`: one lease try (:func:`lease_first`), then, with a key,
+    its hold is its start (one fenced write, as for a job that needs no key). A duplicate or
+    cancelled delivery gives the key back and ends here (its counts). No key now: None, and it
+    is held and goes through the gate as any job (:func:`attempt`)."""
+    leased = yield from lease_first(pair[0], spec, plan)
+    if leased is None:
+        return None
+    lease, asked_at = leased
     try:
         answer = yield fx.Start(*pair)
     except Exception:  # the write failed: the key goes back now, not when its lease expires

@@ -43,7 +43,6 @@ from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from harvest.coordination import fallback
 from harvest.coordination.key_state import Lease
 from harvest.execution import delivery, grouping, handoff, sql
 from harvest.execution import effects as fx
@@ -359,7 +358,7 @@ class Message:
                 break
             if self._keyless(k):
                 ahead = Ahead(self.attempts[k], strict=True)
-            elif key is not None and self._of_pool(k, key.pool):
+            elif key is not None and delivery.leases_from(self.specs[k], key.pool):
                 ahead = Ahead(self.attempts[k], strict=True, chain=key)
             else:
                 break
@@ -384,16 +383,6 @@ class Message:
     def _keyless(self, j: int) -> bool:
         spec = self.specs[j]
         return spec is not None and spec.pool is None
-
-    def _of_pool(self, j: int, pool: str) -> bool:
-        """Whether job ``j`` leases a key of ``pool`` and nothing else first (one pool, no rate
-        limit, no token cost: :func:`~harvest.execution.delivery.leases_first`)."""
-        spec = self.specs[j]
-        return (
-            delivery.leases_first(spec)
-            and spec is not None
-            and (fallback.pools(spec.pool)[0] == pool)
-        )
 
     # --- the shared statement -------------------------------------------------------------
 

@@ -24,10 +24,9 @@ import psycopg
 
 from harvest.clients import ClientPool, http_client
 from harvest.context import JobContext
-from harvest.coordination import fallback
 from harvest.coordination.key_pool import Lease
 from harvest.errors import JobTimeout
-from harvest.execution import away, core, delivery, handoff, limits, patience, sql, tracking
+from harvest.execution import core, delivery, handoff, limits, patience, sql, tracking
 from harvest.execution import effects as fx
 from harvest.execution.delivery import Keyed
 from harvest.execution.heartbeat import HeartbeatThread
@@ -144,23 +143,15 @@ class SyncShell:
     def _key_first(self, items: Sequence[Item]) -> tuple[Lease, float] | None:
         """A key for a message's first job, when it needs only a key of one pool
         (:func:`~harvest.execution.delivery.leases_first`) and one is free now: one lease try,
-        before its hold (which is then its start, one write). None: it is held and goes through
-        the gate in its turn, as any job (no key free, no such pool in Redis, Redis away).
-        The lease, and when it was asked for (monotonic)."""
+        before its hold (which is then its start, one write;
+        :func:`~harvest.execution.delivery.lease_first`, as the asyncio shell's ``key_first``).
+        The lease and when it was asked for; None: it is held and goes through the gate in its
+        turn."""
         first = items[0]
         spec = self.app.jobs.get(first.name or "")
         if spec is None or spec.is_async or not delivery.leases_first(spec):
             return None
-        asked_at = time.monotonic()
-        holder = f"{self.plan.worker}:{first.job_id}"
-        try:
-            lease = self.gate.try_lease(fallback.pools(spec.pool)[0], holder, 0)
-        except away.REDIS_AWAY:
-            return None  # the gate meets it again in its turn and steps the job back
-        if not isinstance(lease, Lease):
-            return None
-        away.answered()
-        return lease, asked_at
+        return self.drive(delivery.lease_first(first.job_id, spec, self.plan))
 
     def run_held(self, jobs: Sequence[Taken]) -> Counter[str]:
         """Run taken jobs one after another in this thread (they were sized to fit). Where jobs'

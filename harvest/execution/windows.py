@@ -8,7 +8,6 @@ import collections
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from harvest.coordination import fallback
 from harvest.coordination.key_state import Lease
 from harvest.execution import delivery
 from harvest.execution.messages import Item
@@ -85,4 +84,4 @@ def _needs_only(spec: JobSpec, key: Lease | None) -> bool:
     """Whether a job needs nothing of the gate (``key`` None) or only a key of ``key``'s pool."""
     if key is None:
         return delivery.starts_at_hold(spec)
-    return delivery.leases_first(spec) and fallback.pools(spec.pool)[0] == key.pool
+    return delivery.leases_from(spec, key.pool)
