@@ -121,13 +121,14 @@ def _rounds(
             weights=settings.tenant_weights,
             watch=watch,
         )
+        if limit > 0:
+            _check_statistics(stats, conn, len(claimed))
         if not claimed:
             if not looking.on(full=full, inflight=inflight):
                 break
             time.sleep(LINGER_POLL)
             continue
         looking = _Looking(app)
-        _check_statistics(stats, conn, len(claimed))
         messages += _publish(app, conn, claimed, consumers=room.consumers)
         claimed_total += len(claimed)
     return claimed_total, messages, rounds

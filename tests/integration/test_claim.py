@@ -417,6 +417,63 @@ def test_a_burst_after_a_quiet_spell_gets_the_jobs_table_analyzed_by_the_dispatc
     assert int(stale[0].rsplit("expects ", 1)[1].split()[0]) > 2000
 
 
+def finish_all(engine: Engine) -> None:
+    """Every job finished (the burst drained), and the table analyzed so, as autovacuum does
+    after a drain: the planner expects no pending job again."""
+    with engine.begin() as conn:
+        conn.execute(text("UPDATE harvest_jobs SET status = 'succeeded', finished_at = now()"))
+    analyze(engine)
+
+
+def burst_claimed(engine: Engine, watch: store.StatsWatch) -> store.Analyzed | None:
+    """3,000 jobs arrive and one claim of 50 takes some; what the watch does after it."""
+    insert_due(engine, 3000)
+    with engine.connect() as conn:
+        conn.execution_options(isolation_level="AUTOCOMMIT")
+        return watch.claimed(conn, len(store.claim_due(conn, limit=50, ttl=60)))
+
+
+def test_a_burst_seconds_after_another_is_analyzed_at_its_first_claim(
+    no_autovacuum: Engine,
+) -> None:
+    """Bursts that come seconds apart, the table analyzed empty between them: each one's
+    statistics are made afresh at its first claim. (Waiting 10 s after every ANALYZE left the
+    second burst's claims reading and sorting its whole backlog, 100-400 ms each, for the rest
+    of those 10 s.)"""
+    watch = store.StatsWatch()
+    quiet_spell(no_autovacuum)
+    first = burst_claimed(no_autovacuum, watch)
+    assert first is not None and first.planned < 10 and first.after > 2000
+    finish_all(no_autovacuum)
+    assert planned(no_autovacuum) < 10
+    with no_autovacuum.connect() as conn:  # the dispatcher's claim between them finds nothing
+        assert watch.claimed(conn, len(store.claim_due(conn, limit=50, ttl=60))) is None
+    second = burst_claimed(no_autovacuum, watch)  # within a second of the first
+    assert second is not None and second.planned < 10 and second.after > 2000
+    assert planned(no_autovacuum) > 2000
+
+
+def test_an_analyze_that_postgres_skipped_is_tried_again_only_after_analyze_every(
+    no_autovacuum: Engine,
+) -> None:
+    """While another ANALYZE (or VACUUM) holds the table, ``ANALYZE (SKIP_LOCKED)`` does
+    nothing: the watch does not ask again at every claim, but ``analyze_every`` later."""
+    watch = store.StatsWatch(check_every=0.0, analyze_every=1.0)
+    quiet_spell(no_autovacuum)
+    insert_due(no_autovacuum, 3000)
+    with no_autovacuum.connect() as holder, no_autovacuum.connect() as conn:
+        holder.execute(text("LOCK TABLE harvest_jobs IN SHARE UPDATE EXCLUSIVE MODE"))
+        conn.execution_options(isolation_level="AUTOCOMMIT")
+        skipped = watch.claimed(conn, len(store.claim_due(conn, limit=50, ttl=60)))
+        assert skipped is not None and skipped.after == skipped.planned < 10
+        holder.rollback()  # the other ANALYZE is done
+        assert watch.claimed(conn, len(store.claim_due(conn, limit=50, ttl=60))) is None
+        assert planned(no_autovacuum) < 10
+        time.sleep(1.0)
+        again = watch.claimed(conn, len(store.claim_due(conn, limit=50, ttl=60)))
+        assert again is not None and again.after > 2000
+
+
 def test_the_dispatcher_leaves_statistics_that_describe_the_backlog_alone(
     migrated: Settings,
     no_autovacuum: Engine,
