@@ -108,8 +108,12 @@ class AsyncShell:
         self.tracked: dict[int, Tracked] = {}
         self._waiting: dict[str, collections.deque[Waiter]] = {}  # by pool, oldest first
         self._probes: dict[str, asyncio.Task[None]] = {}  # by pool, while jobs wait for it
+        self._giving_back: set[asyncio.Task[None]] = set()  # parked leases going to Redis
         self.parked = Parking(
-            lambda done: self._release(done, park=False), plan.lease_ttl, gate.faults
+            self._give_back,
+            plan.lease_ttl,
+            gate.faults,
+            lambda delay, fn: asyncio.get_running_loop().call_later(delay, fn),
         )
 
     # --- a message ------------------------------------------------------------------------
@@ -332,6 +336,18 @@ class AsyncShell:
             self._probe_pool(lease.pool)
         else:
             waiter.handed.set_result(handed)
+
+    def _give_back(self, done: fx.ReleaseKey) -> None:
+        """A parked lease back to Redis, in a task of its own (:class:`~handoff.Parking`)."""
+        task = asyncio.get_running_loop().create_task(self._release(done, park=False))
+        self._giving_back.add(task)
+        task.add_done_callback(self._giving_back.discard)
+
+    async def drain_parked(self) -> None:
+        """Every parked lease back to Redis, and wait until they are (shutdown)."""
+        self.parked.drain()
+        while self._giving_back:
+            await asyncio.gather(*list(self._giving_back), return_exceptions=True)
 
     def _first_waiting(self, pool: str) -> Waiter | None:
         queue = self._waiting.get(pool)

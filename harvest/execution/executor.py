@@ -196,6 +196,8 @@ class Executor:
         grace = self.app.settings.shutdown_grace if grace is None else grace
         self._stopping.set()
         self.sync.heartbeat.stop()
+        if self.sync.parked is not None:
+            self.sync.parked.drain()  # a key kept for a next message: back to Redis now
         if self._aio is not None:
             running = self._aio.admission.in_use
             finished, handed_back = self._aio.shutdown(grace)

@@ -5,9 +5,10 @@ announcement at its grant: ``Lease.plain``) can go from a job that ends to the n
 same pool as it is: the key's load stays one call of this process, so no key is ever over its
 concurrency, and the release and the next lease (two scripts, a round trip) are saved. The
 decision is pure (:func:`passable`, :func:`takes_over`), shared by both shells: the blocking
-shell passes a lease to the next job of its message (``SyncShell.release_then_lease``), the
-asyncio shell to a job of this process waiting for the pool or, through :class:`Parking`, to
-one that asks within :data:`PARK` seconds.
+shell passes a lease to the next job of its message (``SyncShell.release_then_lease``) and,
+through :class:`Parking`, to the first job of the next message that asks within :data:`PARK`
+seconds; the asyncio shell to a job of this process waiting for the pool or, through
+:class:`Parking`, to one that asks within :data:`PARK` seconds.
 
 A key that answers 429 or is refused in this process stops its older leases here from passing
 (:class:`Faults`): each goes back to Redis, which knows the key cools, is disabled or has had
@@ -16,13 +17,12 @@ its limits lowered, instead of passing on for the rest of its :data:`PASS_FOR`.
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import contextlib
 import math
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ from harvest.execution import effects as fx
 from harvest.execution.tracking import KEY_MARGIN
 
 PASS_FOR = 1.0  # seconds after its grant a plain key lease may pass from job to job
-PARK = 0.05  # seconds a lease that may pass waits in the asyncio shell for a job of its pool
+PARK = 0.05  # seconds a lease that may pass waits in its process for a job of its pool
 
 
 @dataclass(slots=True)
@@ -137,70 +137,90 @@ def passes_on(
 
 
 class Parking:
-    """The asyncio shell's key leases given back that may pass on (:func:`passable`), by
-    pool, oldest first, each with the time it goes back to Redis through ``give_back`` when no
-    job of its pool took it over within :data:`PARK` seconds."""
+    """Key leases given back that may pass on (:func:`passable`), by pool, oldest first, each
+    with the time it goes back to Redis through ``give_back`` when no job of its pool took it
+    over within :data:`PARK` seconds. The decisions are one for both shells; what differs is
+    given: ``later(delay, fn)`` calls ``fn`` after ``delay`` seconds (the asyncio shell: its
+    loop's ``call_later``; the blocking shell: its watchdog thread), and ``give_back`` sends a
+    lease back without waiting on it (the asyncio shell: a task) or in the caller's thread (the
+    blocking shell). Safe to use from several threads: a blocking process's timer thread gives
+    back what its job thread parked."""
 
     def __init__(
         self,
-        give_back: Callable[[fx.ReleaseKey], Coroutine[Any, Any, None]],
+        give_back: Callable[[fx.ReleaseKey], None],
         ttl: float,
         faults: Faults,
+        later: Callable[[float, Callable[[], None]], Any],
     ) -> None:
-        self._give_back, self.ttl, self.faults = give_back, ttl, faults
+        self._give_back, self.ttl, self.faults, self._later = give_back, ttl, faults, later
         self._parked: dict[str, collections.deque[tuple[fx.ReleaseKey, float]]] = {}
         self._timers: set[str] = set()  # pools with a timer to give back what waited out
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._lock = threading.Lock()
 
     def park(self, done: fx.ReleaseKey) -> None:
         pool = done.lease.pool
-        self._parked.setdefault(pool, collections.deque()).append((done, time.monotonic() + PARK))
-        if pool not in self._timers:
+        with self._lock:
+            self._parked.setdefault(pool, collections.deque()).append(
+                (done, time.monotonic() + PARK)
+            )
+            if pool in self._timers:
+                return
             self._timers.add(pool)
-            asyncio.get_running_loop().call_later(PARK, self._expire, pool)
+        self._later(PARK, lambda: self._expire(pool))
 
     def take(self, pool: str, cost: int) -> Lease | None:
         """A lease of ``pool`` a job asking for ``cost`` tokens may take over (the newest
         first); those too old to pass go back to Redis."""
         if cost:
             return None  # no lease passes to a job that reserves tokens
-        parked = self._parked.get(pool)
+        old: list[fx.ReleaseKey] = []
+        taken: Lease | None = None
         now = time.time()
-        while parked:
-            done, _ = parked.pop()
-            if takes_over(done.lease, pool, cost, now, self.ttl, faults=self.faults):
-                return done.lease
-            self._send_back(done)
-        return None
+        with self._lock:
+            parked = self._parked.get(pool)
+            while parked:
+                done, _ = parked.pop()
+                if takes_over(done.lease, pool, cost, now, self.ttl, faults=self.faults):
+                    taken = done.lease
+                    break
+                old.append(done)
+        self._send_back(old)
+        return taken
 
     def drop_key(self, lease: Lease) -> None:
         """The key of ``lease`` answered 429 or was refused: what is parked of it goes back
         (to Redis, which knows the key cools or is disabled) instead of passing on."""
-        parked = self._parked.get(lease.pool)
-        for entry in [e for e in parked or () if e[0].lease.key_id == lease.key_id]:
-            assert parked is not None
-            parked.remove(entry)
-            self._send_back(entry[0])
+        with self._lock:
+            parked = self._parked.get(lease.pool)
+            dropped = [e for e in parked or () if e[0].lease.key_id == lease.key_id]
+            for entry in dropped:
+                assert parked is not None
+                parked.remove(entry)
+        self._send_back([done for done, _ in dropped])
 
-    async def drain(self) -> None:
-        """Every parked lease back to Redis now, and wait until they are (shutdown)."""
-        for parked in self._parked.values():
-            while parked:
-                self._send_back(parked.popleft()[0])
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+    def drain(self) -> None:
+        """Every parked lease back to Redis now (shutdown)."""
+        with self._lock:
+            back = [done for parked in self._parked.values() for done, _ in parked]
+            self._parked.clear()
+        self._send_back(back)
 
     def _expire(self, pool: str) -> None:
-        self._timers.discard(pool)
-        parked = self._parked.get(pool)
         now = time.monotonic()
-        while parked and parked[0][1] <= now:
-            self._send_back(parked.popleft()[0])
-        if parked:
-            self._timers.add(pool)
-            asyncio.get_running_loop().call_later(parked[0][1] - now, self._expire, pool)
+        back: list[fx.ReleaseKey] = []
+        with self._lock:
+            self._timers.discard(pool)
+            parked = self._parked.get(pool)
+            while parked and parked[0][1] <= now:
+                back.append(parked.popleft()[0])
+            again = parked[0][1] - now if parked else None
+            if again is not None:
+                self._timers.add(pool)
+        self._send_back(back)
+        if again is not None:
+            self._later(again, lambda: self._expire(pool))
 
-    def _send_back(self, done: fx.ReleaseKey) -> None:
-        task = asyncio.get_running_loop().create_task(self._give_back(done))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+    def _send_back(self, back: list[fx.ReleaseKey]) -> None:
+        for done in back:
+            self._give_back(done)

@@ -265,7 +265,7 @@ class AsyncRuntime:
         for task in list(self._jobs):  # the heartbeat, and anything abandoned
             task.cancel()
         await asyncio.gather(*self._jobs, return_exceptions=True)
-        await shell.parked.drain()
+        await shell.drain_parked()
         await shell.writer.drain()
         await shell.clients.close()
         await shell.pool.close()

@@ -86,6 +86,17 @@ class SyncShell:
             if lingers is None
             else ThreadWriter(run, ttl=ttl, worker=worker, linger=lingers[0], settle=lingers[1])
         )
+        # A key the last job of a message gives back, kept for the next message's first job
+        # (:class:`~harvest.execution.handoff.Parking`): in a process that runs its messages
+        # one after another; a thread pool's jobs pass keys through Redis.
+        self.parked: handoff.Parking | None = None
+        if lingers is None:
+            self.parked = handoff.Parking(
+                self._give_back,
+                ttl,
+                self.gate.faults,
+                lambda delay, fn: self.watchdog.at(time.monotonic() + delay, fn),
+            )
 
     def _key_freed(self, pool: str) -> threading.Condition:
         with self._keys_lock:
@@ -233,6 +244,15 @@ class SyncShell:
             self._wake_one(done.lease.pool)  # the freed key is not this job's: a waiter's
         return result
 
+    def _give_back(self, done: fx.ReleaseKey) -> None:
+        """A parked key lease back to Redis (in the watchdog thread, when no job took it)."""
+        try:
+            self.gate.release(done.lease, done.used, done.succeeded, done.announced)
+        except Exception as exc:
+            log.warning("a key lease kept between messages did not go back to Redis (%s): it "
+                        "is free again when it expires", type(exc).__name__)  # fmt: skip
+        self._wake_one(done.lease.pool)
+
     def _wake_one(self, pool: str) -> None:
         freed = self._key_freed(pool)
         with freed:
@@ -245,6 +265,10 @@ class SyncShell:
             case fx.RatePermit(spec):
                 return self.gate.rate_permit(spec)
             case fx.LeaseKey(pool, holder, cost):
+                passed = self.parked.take(pool, cost) if self.parked is not None else None
+                if passed is not None:
+                    self.gate.reused(passed)
+                    return passed
                 return self.gate.try_lease(pool, holder, cost)
             case fx.LoadPool(pool):
                 return self.gate.load_pool(pool)
@@ -262,12 +286,21 @@ class SyncShell:
             case fx.RunHandler():
                 return self.run_handler(e)
             case fx.CoolKey(lease, seconds, exhausted):
+                if self.parked is not None:
+                    self.parked.drop_key(lease)
                 return self.gate.rate_limited(lease, seconds, exhausted)
             case fx.DisableKey(lease):
+                if self.parked is not None:
+                    self.parked.drop_key(lease)
                 return self.gate.rejected(lease)
             case fx.Finish(row, ran):
                 return self.writer.finish(row, ran)
             case fx.ReleaseKey(lease, used, succeeded, announced):
+                if self.parked is not None and handoff.passable(
+                    e, time.time(), self.plan.lease_ttl, faults=self.gate.faults
+                ):
+                    self.parked.park(e)  # for the next message's first job, or back soon
+                    return None
                 self.gate.release(lease, used, succeeded, announced)
                 self._wake_one(lease.pool)
                 return None

@@ -166,6 +166,7 @@ def test_a_keyed_jobs_key_passes_to_the_next_job_or_goes_back_with_its_lease_in_
         (JobStatus.SUCCEEDED, 1, FIRST)
     }
     keys = {job.result["key_id"] for job in jobs}
+    _no_lease_left(app, (FIRST,))  # (a key that may pass waits PARK for a next message)
     if rate is None:
         assert calls == ["lease", "release"]
         assert len(keys) == 1  # the one lease, passed on
@@ -174,7 +175,39 @@ def test_a_keyed_jobs_key_passes_to_the_next_job_or_goes_back_with_its_lease_in_
         grants = sum(int(app.redis.zcard(f"{prefix}rate:{k}")) for k in _key_ids(app)
                      for prefix in [keys_module.pool_prefix(FIRST)])  # fmt: skip
         assert grants == 4
-    assert [k.live_leases for k in KeyPool(app.redis, FIRST).snapshot()] == [0, 0]
+
+
+@pytest.mark.parametrize("rate", [None, "6000/m"])
+def test_a_keyed_jobs_key_passes_to_the_first_job_of_the_next_message_that_comes_soon_after(
+    app: Harvest, runner: Runner, monkeypatch: pytest.MonkeyPatch, rate: str | None
+) -> None:
+    """Sync keyed jobs, messages one after another as a prefork child runs them. A key bound
+    by its concurrency alone, given back by a message's last job, waits in the process a
+    moment (``PARK``) and passes to the next message's first job as it is: three messages of
+    4 jobs ask Redis for one lease and give it back once, after the last, when no job took
+    it. A key with a rate limit counts every call: a lease a job, none kept."""
+    monkeypatch.setattr(handoff, "PARK", 1.0)  # longer than a loaded machine takes
+    monkeypatch.setattr(handoff, "PASS_FOR", 2.0)
+    _limit_rate(app, rate)
+    calls: list[str] = []
+    for name in ("lease", "release", "release_then_lease"):
+        real = getattr(KeyPool, name)
+
+        def spy(self: KeyPool, *args: Any, _real: Any = real, _name: str = name, **kw: Any) -> Any:
+            calls.append(_name)
+            return _real(self, *args, **kw)
+
+        monkeypatch.setattr(KeyPool, name, spy)
+    jobs = [job for _ in range(3) for job in run(app, runner, "fallback_call", 4)]
+    assert {(job.status, job.attempts) for job in jobs} == {(JobStatus.SUCCEEDED, 1)}
+    if rate is None:
+        assert calls == ["lease"], calls  # the key is still kept for a next message
+        assert len({job.result["key_id"] for job in jobs}) == 1
+    _no_lease_left(app, (FIRST,))
+    if rate is None:
+        assert calls == ["lease", "release"], calls  # back to Redis once no job took it
+    else:
+        assert calls.count("lease") + calls.count("release_then_lease") == 12, calls
 
 
 def _spy_async_pool(monkeypatch: pytest.MonkeyPatch) -> list[str]:

@@ -76,14 +76,15 @@ def test_a_parked_lease_goes_to_the_next_job_of_its_pool_or_back_to_redis_after_
     draining sends back the rest."""
     back: list[Lease] = []
 
-    async def give_back(done: fx.ReleaseKey) -> None:
+    def give_back(done: fx.ReleaseKey) -> None:
         back.append(done.lease)
 
     async def scenario() -> None:
         import time
 
         now = time.time()
-        parking = handoff.Parking(give_back, 30.0, handoff.Faults())
+        loop = asyncio.get_running_loop()
+        parking = handoff.Parking(give_back, 30.0, handoff.Faults(), loop.call_later)
         a, b = plain(now), plain(now, token="b")
         c = Lease("p", 4, "c", 6, now + 30, granted_at=now, plain=True)
         parking.park(given_back(a))
@@ -98,7 +99,7 @@ def test_a_parked_lease_goes_to_the_next_job_of_its_pool_or_back_to_redis_after_
         parking.drop_key(b)  # its key answered 429: not passed on
         await asyncio.sleep(0)
         assert back == [a, b]
-        await parking.drain()
+        parking.drain()
         assert back == [a, b, c] and parking.take("p", 0) is None
 
     asyncio.run(scenario())
