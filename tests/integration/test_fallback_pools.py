@@ -210,6 +210,20 @@ def test_a_keyed_jobs_key_passes_to_the_first_job_of_the_next_message_that_comes
         assert calls.count("lease") + calls.count("release_then_lease") == 12, calls
 
 
+def test_a_key_kept_for_a_next_message_goes_back_to_redis_when_the_process_stops(
+    app: Harvest, runner: Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker that stops (warm shutdown) gives back the key it kept for a next message at
+    once, not when the key's wait or its lease runs out."""
+    monkeypatch.setattr(handoff, "PARK", 60.0)
+    monkeypatch.setattr(handoff, "PASS_FOR", 2.0)
+    jobs = run(app, runner, "fallback_call", 2)
+    assert {(job.status, job.attempts) for job in jobs} == {(JobStatus.SUCCEEDED, 1)}
+    assert sum(k.live_leases for k in KeyPool(app.redis, FIRST).snapshot()) == 1  # kept
+    runner.shutdown(grace=0.0)
+    assert sum(k.live_leases for k in KeyPool(app.redis, FIRST).snapshot()) == 0
+
+
 def _spy_async_pool(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Each lease script call ("lease", one a call, then "granted" for each lease it gave),
     each key sent back ("release", one a lease) and each hand-off ("release+lease") the async
