@@ -14,6 +14,7 @@ import redis
 from sqlalchemy import Engine, text
 
 from harvest.app import Harvest
+from harvest.execution import handoff
 from harvest.settings import Settings
 from tests.processes.api_server import ApiServer, digest, max_in_window, max_overlap
 from tests.processes.conftest import Cluster, PrivateRedis, wait_until, with_keys
@@ -98,7 +99,14 @@ def test_limits_hold_at_the_service_and_every_key_is_used(
             grants = [c.granted for c in calls]
             assert max_in_window(grants, 1.0) <= 5, f"key {name} granted over 5/s"
         fences = [c.fence for c in calls]
-        assert len(set(fences)) == len(fences)  # every lease had its own fencing number
+        if rate:  # every grant is counted in the key's rate window: a lease (a fence) a call
+            assert len(set(fences)) == len(fences), f"key {name}: a lease used twice"
+        else:  # bound by its concurrency alone, a lease may pass from job to job in a process
+            for fence in set(fences):
+                one = [c for c in calls if c.fence == fence]
+                assert max_overlap(one) == 1, f"key {name}: a passed lease used twice at once"
+                late = max(c.start - c.granted for c in one)
+                assert late <= handoff.PASS_FOR + 1.0, f"key {name}: a lease passed on too late"
     with effects.connect() as conn:
         assert conn.execute(text("SELECT count(*) FROM test_effects")).scalar_one() == 120
 
