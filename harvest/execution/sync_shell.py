@@ -244,14 +244,18 @@ class SyncShell:
             self._wake_one(done.lease.pool)  # the freed key is not this job's: a waiter's
         return result
 
+    def _release(self, done: fx.ReleaseKey) -> None:
+        """A key lease back to Redis, and one waiter of its pool woken."""
+        self.gate.release(done.lease, done.used, done.succeeded, done.announced)
+        self._wake_one(done.lease.pool)
+
     def _give_back(self, done: fx.ReleaseKey) -> None:
         """A parked key lease back to Redis (in the watchdog thread, when no job took it)."""
         try:
-            self.gate.release(done.lease, done.used, done.succeeded, done.announced)
+            self._release(done)
         except Exception as exc:
             log.warning("a key lease kept between messages did not go back to Redis (%s): it "
                         "is free again when it expires", type(exc).__name__)  # fmt: skip
-        self._wake_one(done.lease.pool)
 
     def _wake_one(self, pool: str) -> None:
         freed = self._key_freed(pool)
@@ -295,14 +299,13 @@ class SyncShell:
                 return self.gate.rejected(lease)
             case fx.Finish(row, ran):
                 return self.writer.finish(row, ran)
-            case fx.ReleaseKey(lease, used, succeeded, announced):
+            case fx.ReleaseKey():
                 if self.parked is not None and handoff.passable(
                     e, time.time(), self.plan.lease_ttl, faults=self.gate.faults
                 ):
                     self.parked.park(e)  # for the next message's first job, or back soon
-                    return None
-                self.gate.release(lease, used, succeeded, announced)
-                self._wake_one(lease.pool)
+                else:
+                    self._release(e)
                 return None
             case fx.RenewKey(lease):
                 return self.gate.heartbeat_many([lease])[0]
