@@ -47,7 +47,8 @@ class Watchdog:
 
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, Callable[[], None]]] = []
-        self._cancelled: set[int] = set()
+        self._pending: set[int] = set()  # handles still in the heap
+        self._cancelled: set[int] = set()  # of those, the ones cancelled
         self._seq = itertools.count()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -58,6 +59,7 @@ class Watchdog:
         with self._cond:
             handle = next(self._seq)
             heapq.heappush(self._heap, (deadline, handle, callback))
+            self._pending.add(handle)
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(
                     target=self._run, name="harvest-watchdog", daemon=True
@@ -67,14 +69,18 @@ class Watchdog:
             return handle
 
     def cancel(self, handle: int) -> None:
+        """Its callback is not called, unless it was already (then nothing is kept of it)."""
         with self._cond:
-            self._cancelled.add(handle)
+            if handle in self._pending:
+                self._cancelled.add(handle)
 
     def _next(self) -> Callable[[], None] | None:
         with self._cond:
             while True:
                 while self._heap and self._heap[0][1] in self._cancelled:
-                    self._cancelled.discard(heapq.heappop(self._heap)[1])
+                    handle = heapq.heappop(self._heap)[1]
+                    self._cancelled.discard(handle)
+                    self._pending.discard(handle)
                 if not self._heap:
                     self._cond.wait(60.0)
                     if not self._heap:
@@ -83,7 +89,7 @@ class Watchdog:
                 deadline, _, callback = self._heap[0]
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    heapq.heappop(self._heap)
+                    self._pending.discard(heapq.heappop(self._heap)[1])
                     return callback
                 self._cond.wait(left)
 
