@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING
 
 from redis.asyncio import Redis as AsyncRedis
+from redis.exceptions import RedisError
 
 from harvest import keystore
 from harvest.coordination.key_pool import (
@@ -39,6 +41,7 @@ if TYPE_CHECKING:
     from harvest.app import Harvest, JobSpec
 
 log = logging.getLogger(__name__)
+FREED_MIN = 0.01  # seconds: a shorter wait for a freed key is a plain sleep (BLPOP's 0 is forever)
 
 
 class Gate:
@@ -143,6 +146,18 @@ class Gate:
 
     def cached_secret(self, lease: Lease) -> str | None:
         return self._secrets.get(lease.key_id)
+
+    def await_freed(self, pool: str, seconds: float) -> None:
+        """Block ``seconds``, or less: until a process gives a key of ``pool`` back to Redis
+        while jobs wait for one (:meth:`KeyPool.await_freed`). Where Redis fails, a sleep."""
+        if seconds < FREED_MIN:
+            time.sleep(seconds)
+            return
+        until = time.monotonic() + seconds
+        try:
+            self.pool(pool).await_freed(seconds)
+        except RedisError:
+            time.sleep(max(until - time.monotonic(), 0.0))
 
     def heartbeat_many(self, leases: Sequence[Lease]) -> list[bool]:
         """Renew key leases (one round trip per pool); False for each one lost."""
@@ -270,6 +285,19 @@ class AsyncGate:
     async def secret(self, lease: Lease) -> str:
         cached = self.gate.cached_secret(lease)
         return cached if cached is not None else await asyncio.to_thread(self.gate.secret, lease)
+
+    async def await_freed(self, pool: str, seconds: float) -> None:
+        """:meth:`Gate.await_freed` on the loop: a key freed in another process goes to a job
+        waiting here at once, not at its next poll."""
+        if seconds < FREED_MIN:
+            await asyncio.sleep(seconds)
+            return
+        loop = asyncio.get_running_loop()
+        until = loop.time() + seconds
+        try:
+            await self.pool(pool).await_freed(seconds)
+        except RedisError:
+            await asyncio.sleep(max(until - loop.time(), 0.0))
 
     async def heartbeat_many(self, leases: Sequence[Lease]) -> list[bool]:
         ok: list[bool] = []

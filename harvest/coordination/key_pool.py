@@ -80,6 +80,7 @@ class _PoolShape(Generic[S]):
         self._prefix = keys.pool_prefix(pool)
         self._epoch = keys.pool_epoch(pool)
         self._members = keys.pool_members(pool)
+        self._wanted, self._freed = keys.pool_wanted(pool), keys.pool_freed(pool)
         self._names: dict[int, tuple[str, str, str]] = {}
 
     def _lease_call(
@@ -99,7 +100,8 @@ class _PoolShape(Generic[S]):
             keys.pool_cursor(self.pool),
             keys.pool_fence(self.pool),
         ]
-        return script_keys, [self._prefix, micros(ttl), cost, prefer, *tokens], tokens
+        args = [self._prefix, micros(ttl), cost, prefer, keys.WANTED_MS, *tokens]
+        return script_keys, args, tokens
 
     def _each_from(
         self, reply: list[Any], tokens: list[str], args: list[Any], cost: int = 0
@@ -144,16 +146,21 @@ class _PoolShape(Generic[S]):
         used: int | None,
         succeeded: bool = False,
         announced: Announced | None = None,
+        *,
+        wake: bool = True,
     ) -> tuple[list[str], list[Any]]:
         """(keys, args) of ``pool_release.lua``: free ``lease``, settle its reservation, grow
-        the key's learned limits back when the call ``succeeded``, keep what it ``announced``."""
+        the key's learned limits back when the call ``succeeded``, keep what it ``announced``;
+        ``wake``: while jobs wait for the pool somewhere, wake one waiting process
+        (:meth:`AsyncKeyPool.await_freed`); not when the same pipeline leases the slot freed."""
         if used is not None:
             check_cost(used, "used tokens")
-        script_keys = list(self._key_names(lease))
+        script_keys = [*self._key_names(lease), self._wanted, self._freed]
         learn = [1 if succeeded else 0, LEARNING.recover, LEARNING.step]
         said = announced.as_args() if announced is not None else NOTHING
         return script_keys, [
-            lease.token, lease.fence, lease.cost, -1 if used is None else used, *learn, *said
+            lease.token, lease.fence, lease.cost, -1 if used is None else used, *learn, *said,
+            keys.WANTED_MS if wake else 0,
         ]  # fmt: skip
 
     def _handoff(
@@ -162,7 +169,7 @@ class _PoolShape(Generic[S]):
     ) -> tuple[list[Call], Callable[[list[Any]], tuple[bool, Lease | Busy]]]:  # fmt: skip
         """The two scripts of ``release_then_lease`` (the release of ``lease`` first, so the
         lease for ``holder`` may take the slot it frees), and how their replies read."""
-        released = self._release_call(lease, used, succeeded, announced)
+        released = self._release_call(lease, used, succeeded, announced, wake=False)
         script_keys, args, tokens = self._lease_call([holder], ttl, cost, prefer=lease.key_id)
 
         def read(replies: list[Any]) -> tuple[bool, Lease | Busy]:
@@ -368,6 +375,12 @@ class KeyPool(_PoolShape[LuaScript]):
         """
         return self._throttled(self._admin(*self._throttle_call(lease, seconds, exhausted)))
 
+    def await_freed(self, seconds: float) -> bool:
+        """Block up to ``seconds`` for a key of the pool given back to Redis by any process
+        while the pool is wanted (a lease try found no key): ``pool_release.lua`` pushes the
+        key's id, and one waiting process pops it. True when this one was woken so."""
+        return self._redis.blpop([self._freed], timeout=seconds) is not None
+
     def heartbeat_many(self, leases: Sequence[Lease], ttl: float) -> list[bool]:
         """Extend many leases in one round trip (a pipeline); False for each one lost."""
         beats = pipelined(self._redis, self._heartbeat_calls(leases, ttl))
@@ -465,6 +478,10 @@ class AsyncKeyPool(_PoolShape[AsyncLuaScript]):
         trip (the scripts pipelined, each atomic as alone)."""
         calls = [(self._release, *self._release_call(*release)) for release in releases]
         return [bool(int(v)) for v in _raised(await apipelined(self._redis, calls))]
+
+    async def await_freed(self, seconds: float) -> bool:
+        """See :meth:`KeyPool.await_freed`."""
+        return await self._redis.blpop([self._freed], timeout=seconds) is not None
 
     async def throttle(
         self, lease: Lease, seconds: float, *, exhausted: bool = False

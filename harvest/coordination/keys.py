@@ -119,6 +119,22 @@ def pool_fence(pool: str) -> str:
     return pool_prefix(pool) + "fence"
 
 
+def pool_wanted(pool: str) -> str:
+    """STRING set for :data:`WANTED_MS` by every lease try that found no key for a call: some
+    process may have jobs waiting for a key of the pool."""
+    return pool_prefix(pool) + "wanted"
+
+
+def pool_freed(pool: str) -> str:
+    """LIST of key ids, pushed by a release while the pool is wanted and popped (BLPOP) by a
+    process whose jobs wait for a key: a key freed in one process wakes a waiter in another
+    at once, not at its next poll. Short-lived (:data:`WANTED_MS`), at most 64 entries."""
+    return pool_prefix(pool) + "freed"
+
+
+WANTED_MS = 1000  # how long a pool stays wanted after a failed try, and freed ids are kept
+
+
 def pool_key_config(pool: str, key_id: int) -> str:
     """HASH of one key: max, rate_n, rate_us, status, cool_until (microseconds, 0 = none),
     tpm, tpm_us (0 = no token budget)."""

@@ -265,14 +265,18 @@ class AsyncShell:
 
     async def _probe(self, pool: str) -> None:
         """While jobs of this process wait in line for ``pool``: a lease try for the first in
-        line every poll, and at once again after a grant, so that a key freed where no job was
-        waiting (in another process, or by a lease that expired) is not left idle. A try that
+        line every poll, at once when another process gives a key of the pool back to Redis
+        (``pool_release.lua`` wakes one waiting process), and at once again after a grant, so
+        that a key freed where no job was waiting (in another process, or by a lease that
+        expired) is not left idle. A try that
         fails wakes the whole line: each job then leases on its own and meets the failure."""
         try:
             pause: float | None = None
             while (first := self._first_waiting(pool)) is not None:
-                if pause != 0.0:
-                    await asyncio.sleep(max(first.poll, MIN_POLL) if pause is None else pause)
+                if pause != 0.0:  # until the next try, or a key freed in another process
+                    await self.gate.await_freed(
+                        pool, max(first.poll, MIN_POLL) if pause is None else pause
+                    )
                     if (first := self._first_waiting(pool)) is None:
                         return
                 result = await self.gate.try_lease(pool, first.holder, first.cost)

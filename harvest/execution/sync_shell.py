@@ -277,9 +277,13 @@ class SyncShell:
             case fx.LoadPool(pool):
                 return self.gate.load_pool(pool)
             case fx.AwaitKey(pool, seconds, until=until):
-                freed = self._key_freed(pool)
+                wait = seconds if until is None else min(seconds, until)
+                if self.parked is not None:  # one job at a time: only another process frees
+                    self.gate.await_freed(pool, wait)  # a key now, and Redis says when
+                    return None
+                freed = self._key_freed(pool)  # a thread pool: woken by its own threads
                 with freed:
-                    freed.wait(seconds if until is None else min(seconds, until))
+                    freed.wait(wait)
                 return None
             case fx.Defer(row):
                 return self.writer.defer(row)

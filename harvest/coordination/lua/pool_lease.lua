@@ -28,7 +28,10 @@
 --          the same pipeline (a hand-off, see key_pool.py _handoff). If it admits the call it
 --          is granted without reading the rest of the pool: the hand-off leaves every key's
 --          load as it was (the slot freed is taken again); otherwise the pool is scanned.
--- ARGV[5..] one token per lease wanted
+-- ARGV[5]  milliseconds the pool stays wanted when fewer leases than asked are granted: a
+--          STRING <prefix>wanted, whose presence makes a release wake a waiting process at once
+--          (see pool_release.lua); 0: do not mark it
+-- ARGV[6..] one token per lease wanted
 -- Returns  {-1} when the pool is not loaded; otherwise
 --          {granted, retry_after_us, key_id_1, fence_1, expires_at_us_1, plain_1, key_id_2, ...}
 --          where plain is 1 when the key has no rate limit, no token budget, no learned limit
@@ -48,7 +51,8 @@ local prefix = ARGV[1]
 local ttl = tonumber(ARGV[2])
 local cost = tonumber(ARGV[3])
 local prefer = ARGV[4]
-local FIRST = 5 -- ARGV index of the first token
+local wanted_ms = tonumber(ARGV[5])
+local FIRST = 6 -- ARGV index of the first token
 local retry = -1
 local fits = false -- some key's budget (whatever its status) could hold one such call
 local seen = 0 -- keys with a config
@@ -290,6 +294,9 @@ for i = FIRST, #ARGV do
   table.insert(out, flag)
 end
 if out[1] < #ARGV - FIRST + 1 then
+  if wanted_ms > 0 then
+    redis.call('SET', prefix .. 'wanted', '1', 'PX', wanted_ms)
+  end
   for _, k in ipairs(keys) do
     sooner(wait_for(k))
   end

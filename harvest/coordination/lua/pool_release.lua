@@ -14,6 +14,7 @@
 -- KEYS[1]  the key's leases ZSET: token -> expiry (microseconds, Redis clock)
 -- KEYS[2]  the key's token window ZSET: "<fence>:<tokens>" -> grant time (microseconds)
 -- KEYS[3]  the key's config HASH (tpm: 0 or absent = no token budget; tpm_us its window)
+-- KEYS[4]  the pool's wanted STRING, KEYS[5] its freed LIST (keys.pool_wanted, pool_freed)
 -- ARGV[1]  lease token
 -- ARGV[2]  the lease's fence
 -- ARGV[3]  tokens reserved at the lease (0: none)
@@ -22,6 +23,11 @@
 -- ARGV[6]  recover, ARGV[7] step: fractions of the declared limit added per success
 -- ARGV[8..11] announced: requests left, their reset in microseconds, tokens left, their reset
 --          (-1: not announced)
+-- ARGV[12] milliseconds to keep a wake-up: when the lease was live and the pool is wanted (a
+--          lease try found no key in the last moments: jobs wait somewhere), the key id is
+--          pushed on the freed list, which a waiting process pops (BLPOP) to try a lease at
+--          once rather than at its next poll; the list keeps 64 ids at most, for this long.
+--          0: no wake-up (a release whose own pipeline leases the slot it frees)
 -- Returns  1 when a live lease was freed; 0 when it was already lost (expired, reclaimed, or the
 --          key left the pool). The token is removed either way.
 local t = redis.call('TIME')
@@ -79,6 +85,13 @@ if declared[1] then
   end
 end
 if live then
+  local wake = tonumber(ARGV[12]) or 0
+  if wake > 0 and redis.call('EXISTS', KEYS[4]) == 1 then
+    local id = string.match(KEYS[3], '(%d+)$')
+    redis.call('LPUSH', KEYS[5], id)
+    redis.call('LTRIM', KEYS[5], 0, 63)
+    redis.call('PEXPIRE', KEYS[5], wake)
+  end
   return 1
 end
 return 0

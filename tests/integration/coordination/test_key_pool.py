@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections import Counter
 
@@ -292,6 +293,76 @@ def test_the_asyncio_pool_hands_a_key_over_and_renews_after_redis_lost_its_scrip
     freed, second, beats, again = asyncio.run(scenario())
     assert freed is True and isinstance(second, Lease) and second.key_id == 1
     assert beats == [True, True, False] and again == [True, True]
+
+
+def test_a_key_given_back_while_jobs_wait_wakes_one_waiting_process_at_once(
+    redis_client: redis.Redis,
+) -> None:
+    """A process whose lease try found no key waits for one (BLPOP) instead of sleeping its
+    poll: a release by another process wakes it at once, and one release wakes one waiter."""
+    holder_side = make_pool(redis_client, KeySpec(1, 1))
+    where = redis_client.get_connection_kwargs()
+    other = redis.Redis(host=where["host"], port=where["port"], db=where["db"])  # its own client
+    waiter_side = KeyPool(other, "ai")
+    held = lease_ok(holder_side, "holder")
+    busy(waiter_side, "waiter")  # the pool is now wanted
+    woken: list[tuple[bool, float]] = []
+
+    def wait() -> None:
+        began = time.monotonic()
+        woken.append((waiter_side.await_freed(5.0), time.monotonic() - began))
+
+    thread = threading.Thread(target=wait)
+    thread.start()
+    time.sleep(0.3)
+    assert holder_side.release(held)
+    thread.join(6.0)
+    assert woken and woken[0][0] is True and 0.2 < woken[0][1] < 2.0, woken
+    assert isinstance(waiter_side.lease("waiter", 30.0), Lease)
+    assert waiter_side.await_freed(0.2) is False  # one key freed, one process woken
+    other.close()
+
+
+def test_a_release_wakes_nobody_unless_a_try_failed_and_a_hand_off_never_does(
+    redis_client: redis.Redis,
+) -> None:
+    pool = make_pool(redis_client, KeySpec(1, 1))
+    assert pool.release(lease_ok(pool))  # nobody wanted a key
+    assert pool.await_freed(0.2) is False
+    first = lease_ok(pool, "first")
+    busy(pool, "second")  # wanted now
+    freed, second = pool.release_then_lease(first, "second", 30.0)
+    assert freed and isinstance(second, Lease)  # the slot freed was taken in the same trip
+    assert pool.await_freed(0.2) is False
+    assert redis_client.pttl(keys.pool_wanted("ai")) > 0
+
+
+def test_the_asyncio_gate_waits_for_a_freed_key_or_its_poll(redis_client: redis.Redis) -> None:
+    """AsyncKeyPool.await_freed: woken by a release of another process, else back after the
+    time asked."""
+    holder_side = make_pool(redis_client, KeySpec(1, 1))
+    where = redis_client.get_connection_kwargs()
+
+    async def scenario() -> tuple[bool, float, bool, float]:
+        client = AsyncRedis(host=where["host"], port=where["port"], db=where["db"])
+        try:
+            pool = AsyncKeyPool(client, "ai")
+            began = time.monotonic()
+            idle = await pool.await_freed(0.3)
+            idle_for = time.monotonic() - began
+            held = lease_ok(holder_side, "holder")
+            assert isinstance(await pool.lease("waiter", 30.0), Busy)
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.2, holder_side.release, held)
+            began = time.monotonic()
+            woken = await pool.await_freed(5.0)
+            return idle, idle_for, woken, time.monotonic() - began
+        finally:
+            await client.aclose()
+
+    idle, idle_for, woken, woken_after = asyncio.run(scenario())
+    assert idle is False and 0.25 < idle_for < 2.0
+    assert woken is True and woken_after < 2.0
 
 
 def test_heartbeat_keeps_a_lease_alive(redis_client: redis.Redis) -> None:
