@@ -121,6 +121,23 @@ class Figures:
     errors: int  # answers other than 200 and 429
     first_call: float | None
     last_done: float | None
+    slots: Slots | None = None  # concurrency-bound cases: how busy the keys were kept
+
+
+@dataclass(frozen=True)
+class Slots:
+    """How busy a subject kept the keys' K·C call slots over the steady part, from the
+    service's log: ``busy`` is the share of slot time a call held (1.0: every key at C all
+    along), and ``idle_p50``/``idle_p90`` (seconds) how long a key that was at C stayed below
+    it before a call filled it again (from the end that freed a slot to the start that took
+    it back): what a subject loses between one call and the next on a key, the time its own
+    turn-around (releasing, handing over, starting the next call) costs. Not for a rate-bound
+    case, whose keys idle by design."""
+
+    busy: float
+    idle_p50: float
+    idle_p90: float
+    refills: int  # slot refills counted for the idle times
 
 
 def analyse(log: list[dict[str, Any]], case: Case, until: float) -> Figures:
@@ -134,6 +151,9 @@ def analyse(log: list[dict[str, Any]], case: Case, until: float) -> Figures:
     ends = sorted(first_end.values())
     first = min((e["start"] for e in log), default=None)
     steady, span = _steady(ends, case, first, until)
+    slots = None
+    if not rate_bound(case) and len(ends) >= 10:
+        slots = key_slots(log, case.real_concurrency, percentile(ends, 10), percentile(ends, 90))
     return Figures(
         steady=steady,
         steady_span=span,
@@ -143,7 +163,36 @@ def analyse(log: list[dict[str, Any]], case: Case, until: float) -> Figures:
         errors=sum(1 for e in log if e["status"] not in (200, 429)),
         first_call=first,
         last_done=ends[-1] if ends else None,
+        slots=slots,
     )
+
+
+def key_slots(log: list[dict[str, Any]], concurrency: int, lo: float, hi: float) -> Slots | None:
+    """:class:`Slots` of the calls in ``log`` over [``lo``, ``hi``], keys of ``concurrency``
+    calls at once (429s included: a call the service refused still held a request)."""
+    if hi <= lo:
+        return None
+    calls: dict[Any, list[tuple[float, float]]] = {}
+    for e in log:
+        calls.setdefault(e["key"], []).append((e["start"], e["end"]))
+    held, idle = 0.0, []
+    for spans in calls.values():
+        held += sum(max(0.0, min(end, hi) - max(start, lo)) for start, end in spans)
+        events = sorted([(start, 1) for start, _ in spans] + [(end, -1) for _, end in spans])
+        in_flight, freed_at = 0, None
+        for t, step in events:  # an end sorts before a start at the same moment
+            if step > 0:
+                if in_flight == concurrency - 1 and freed_at is not None and lo <= t <= hi:
+                    idle.append(t - freed_at)
+                freed_at = None if in_flight + 1 == concurrency else freed_at
+            elif in_flight == concurrency:
+                freed_at = t
+            in_flight += step
+    if not idle or not calls:
+        return None
+    idle.sort()
+    busy = held / (len(calls) * concurrency * (hi - lo))
+    return Slots(busy, percentile(idle, 50), percentile(idle, 90), len(idle))
 
 
 def steady_windows(first: float, until: float, period: float) -> tuple[float, float] | None:
@@ -264,8 +313,20 @@ def run_subject(ctx: Ctx, case: Case, subject: Subject, run: str = "") -> dict[s
         "concurrency": case.concurrency,
         "rss_mib": round(peak_rss, 1),
         "calls": len(log),
+        **_slot_figures(figures.slots),
         **_token_figures(case, log, keys, end),
         **_learned_figures(case, log, end),
+    }
+
+
+def _slot_figures(slots: Slots | None) -> dict[str, Any]:
+    if slots is None:
+        return {}
+    return {
+        "keys_busy": slots.busy,
+        "slot_idle_p50_ms": slots.idle_p50 * 1000,
+        "slot_idle_p90_ms": slots.idle_p90 * 1000,
+        "slot_refills": slots.refills,
     }
 
 

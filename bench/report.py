@@ -180,7 +180,7 @@ def goodput_table(rows: list[Row]) -> Table:
     """The goodput scenario's figures per subject (from the loopback service's records)."""
     out = Table(title="goodput: per subject (the service's own counts)", header_style="bold")
     heads = ("case: subject", "jobs/s", "x limit", "x asyncio", "429s", "peak/C", "lost", "dup",
-             "failed", "unfinished", "RSS MiB", "s")  # fmt: skip
+             "failed", "unfinished", "keys busy", "idle p50/p90 ms", "RSS MiB", "s")  # fmt: skip
     for name in heads:
         out.add_column(name, justify="left" if name == "case: subject" else "right")
     bound: list[str] = []
@@ -202,7 +202,8 @@ def goodput_table(rows: list[Row]) -> Table:
             f"{g['http_429']:,}", Text(f"{g['peak_per_key']}/{g['concurrency']}",
                                        "red" if over else ""),
             "—" if g["lost"] is None else f"{g['lost']:,}", f"{g['duplicated']:,}",
-            f"{g['failed']:,}", f"{g['unfinished']:,}", _num(g["rss_mib"]), _num(g["seconds"]),
+            f"{g['failed']:,}", f"{g['unfinished']:,}", _busy(g), _idle(g), _num(g["rss_mib"]),
+            _num(g["seconds"]),
         )  # fmt: skip
     if bound:
         out.caption = (
@@ -211,6 +212,18 @@ def goodput_table(rows: list[Row]) -> Table:
         )
         out.caption_style = "yellow"
     return out
+
+
+def _busy(g: dict[str, Any]) -> str:
+    """The share of the keys' call slots kept busy (concurrency-bound cases only)."""
+    return "—" if g.get("keys_busy") is None else f"{g['keys_busy']:.3f}"
+
+
+def _idle(g: dict[str, Any]) -> str:
+    """How long a freed slot of a key stood idle before the next call (p50/p90, ms)."""
+    if g.get("slot_idle_p50_ms") is None:
+        return "—"
+    return f"{g['slot_idle_p50_ms']:.0f} / {g['slot_idle_p90_ms']:.0f}"
 
 
 def scale_table(rows: list[Row]) -> Table:

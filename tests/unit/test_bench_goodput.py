@@ -107,3 +107,21 @@ def test_a_run_that_did_not_drain_leaves_lost_unknown_and_ranks_lowest() -> None
 def test_one_run_is_its_own_run() -> None:
     only = _run(480.0)
     assert goodput.combined([only]) is only
+
+
+def test_key_slots_say_how_busy_the_keys_were_and_how_long_a_freed_slot_stood_idle() -> None:
+    """One key of two slots: both calls end at 1.0; the next calls start 10 ms and 50 ms
+    later. The key was back at its concurrency 50 ms after it fell from it; of the 4 slot-
+    seconds in [0, 2], the calls held 3.94."""
+    log = [
+        {"key": "k", "start": 0.0, "end": 1.0},
+        {"key": "k", "start": 0.0, "end": 1.0},
+        {"key": "k", "start": 1.01, "end": 2.0},
+        {"key": "k", "start": 1.05, "end": 2.0},
+    ]
+    slots = goodput.key_slots(log, 2, 0.0, 2.0)
+    assert slots is not None
+    assert slots.busy == pytest.approx(3.94 / 4)
+    assert slots.idle_p50 == pytest.approx(0.05) and slots.idle_p90 == pytest.approx(0.05)
+    assert slots.refills == 1
+    assert goodput.key_slots(log, 2, 2.0, 2.0) is None  # no span
