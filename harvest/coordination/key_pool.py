@@ -41,6 +41,7 @@ from harvest.coordination.key_state import (
     Status,
     Throttled,
     check_cost,
+    check_ttl,
 )
 from harvest.coordination.scripts import (
     AsyncLuaScript,
@@ -48,6 +49,7 @@ from harvest.coordination.scripts import (
     LuaScript,
     Script,
     apipelined,
+    first_error_raised,
     micros,
     pipelined,
 )
@@ -89,7 +91,7 @@ class _PoolShape(Generic[S]):
         """(keys, args, tokens) of ``pool_lease.lua``: a lease of ``cost`` tokens for each of
         ``holders``; ``prefer``: the key a release in the same pipeline freed (a hand-off),
         tried first."""
-        _check_ttl(ttl)
+        check_ttl(ttl)
         if not 1 <= len(holders) <= MAX_BATCH:
             raise ValueError(f"invalid lease count {len(holders)}: must be 1..{MAX_BATCH}")
         check_cost(cost)
@@ -141,18 +143,13 @@ class _PoolShape(Generic[S]):
         return self._names[k]
 
     def _release_call(
-        self,
-        lease: Lease,
-        used: int | None,
-        succeeded: bool = False,
-        announced: Announced | None = None,
-        *,
-        wake: bool = True,
-    ) -> tuple[list[str], list[Any]]:
+        self, lease: Lease, used: int | None, succeeded: bool = False,
+        announced: Announced | None = None, *, wake: bool = True,
+    ) -> tuple[list[str], list[Any]]:  # fmt: skip
         """(keys, args) of ``pool_release.lua``: free ``lease``, settle its reservation, grow
         the key's learned limits back when the call ``succeeded``, keep what it ``announced``;
-        ``wake``: while jobs wait for the pool somewhere, wake one waiting process
-        (:meth:`AsyncKeyPool.await_freed`); not when the same pipeline leases the slot freed."""
+        ``wake`` one waiting process while the pool is wanted (:meth:`KeyPool.await_freed`;
+        not when the same pipeline leases the slot freed)."""
         if used is not None:
             check_cost(used, "used tokens")
         script_keys = [*self._key_names(lease), self._wanted, self._freed]
@@ -173,13 +170,13 @@ class _PoolShape(Generic[S]):
         script_keys, args, tokens = self._lease_call([holder], ttl, cost, prefer=lease.key_id)
 
         def read(replies: list[Any]) -> tuple[bool, Lease | Busy]:
-            freed, reply = _raised(replies)
+            freed, reply = first_error_raised(replies)
             return bool(int(freed)), self._each_from(reply, tokens, args, cost)[0]
 
         return [(self._release, *released), (self._lease, script_keys, args)], read
 
     def _heartbeat_calls(self, leases: Sequence[Lease], ttl: float) -> list[Call]:
-        _check_ttl(ttl)
+        check_ttl(ttl)
         until = micros(ttl)
         return [(self._heartbeat, [self._leases_key(x)], [x.token, until]) for x in leases]
 
@@ -341,7 +338,7 @@ class KeyPool(_PoolShape[LuaScript]):
 
     def heartbeat_until(self, lease: Lease, ttl: float) -> float | None:
         """Like :meth:`heartbeat`, returning the new expiry (Redis clock) or None when lost."""
-        _check_ttl(ttl)
+        check_ttl(ttl)
         until = self._heartbeat.integer([self._leases_key(lease)], [lease.token, micros(ttl)])
         return to_seconds(until) if until else None
 
@@ -376,15 +373,14 @@ class KeyPool(_PoolShape[LuaScript]):
         return self._throttled(self._admin(*self._throttle_call(lease, seconds, exhausted)))
 
     def await_freed(self, seconds: float) -> bool:
-        """Block up to ``seconds`` for a key of the pool given back to Redis by any process
-        while the pool is wanted (a lease try found no key): ``pool_release.lua`` pushes the
-        key's id, and one waiting process pops it. True when this one was woken so."""
+        """Block up to ``seconds`` for a key given back while the pool is wanted (a lease try
+        found none: ``pool_release.lua``); True when this process was the one woken for it."""
         return self._redis.blpop([self._freed], timeout=seconds) is not None
 
     def heartbeat_many(self, leases: Sequence[Lease], ttl: float) -> list[bool]:
         """Extend many leases in one round trip (a pipeline); False for each one lost."""
         beats = pipelined(self._redis, self._heartbeat_calls(leases, ttl))
-        return [bool(int(v)) for v in _raised(beats)]
+        return [bool(int(v)) for v in first_error_raised(beats)]
 
     # --- key status ---------------------------------------------------------------------------
 
@@ -461,7 +457,7 @@ class AsyncKeyPool(_PoolShape[AsyncLuaScript]):
     async def heartbeat_many(self, leases: Sequence[Lease], ttl: float) -> list[bool]:
         """See :meth:`KeyPool.heartbeat_many`."""
         beats = await apipelined(self._redis, self._heartbeat_calls(leases, ttl))
-        return [bool(int(v)) for v in _raised(beats)]
+        return [bool(int(v)) for v in first_error_raised(beats)]
 
     async def release_then_lease(
         self, lease: Lease, holder: str, ttl: float, *, used: int | None = None,
@@ -477,7 +473,7 @@ class AsyncKeyPool(_PoolShape[AsyncLuaScript]):
         """:meth:`KeyPool.release` of each (lease, used, succeeded, announced), in one round
         trip (the scripts pipelined, each atomic as alone)."""
         calls = [(self._release, *self._release_call(*release)) for release in releases]
-        return [bool(int(v)) for v in _raised(await apipelined(self._redis, calls))]
+        return [bool(int(v)) for v in first_error_raised(await apipelined(self._redis, calls))]
 
     async def await_freed(self, seconds: float) -> bool:
         """See :meth:`KeyPool.await_freed`."""
@@ -500,16 +496,3 @@ class AsyncKeyPool(_PoolShape[AsyncLuaScript]):
     async def disable(self, key_id: int) -> bool:
         """See :meth:`KeyPool.disable`."""
         return bool(await self._admin.integer(*self._admin_call(key_id, "disable")))
-
-
-def _raised(replies: list[Any]) -> list[Any]:
-    """A pipeline's replies, the first error reply raised."""
-    for reply in replies:
-        if isinstance(reply, Exception):
-            raise reply
-    return replies
-
-
-def _check_ttl(ttl: float) -> None:
-    if not ttl > 0:
-        raise ValueError(f"invalid ttl {ttl!r}: must be > 0 seconds")

@@ -206,6 +206,12 @@ class Busy:
 MAX_COST = 10**12
 
 
+def check_ttl(ttl: float) -> None:
+    """A lease's time to live: more than 0 seconds."""
+    if not ttl > 0:
+        raise ValueError(f"invalid ttl {ttl!r}: must be > 0 seconds")
+
+
 def check_cost(value: object, what: str = "cost") -> int:
     """A whole number of tokens, 0..10^12 (0: none)."""
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COST:

@@ -78,6 +78,14 @@ class AsyncLuaScript(Script):
 Call = tuple[Script, Sequence[str], Sequence[Arg]]  # a script, its keys, its args
 
 
+def first_error_raised(replies: list[Any]) -> list[Any]:
+    """A pipeline's replies, the first error reply raised."""
+    for reply in replies:
+        if isinstance(reply, Exception):
+            raise reply
+    return replies
+
+
 def pipelined(redis: Redis, calls: Sequence[Call]) -> list[Any]:
     """Several scripts in one round trip: bare EVALSHAs on one pipeline, in order, each atomic
     as alone (not a transaction). Each reply comes back in its place, an error reply as its
